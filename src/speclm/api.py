@@ -1,0 +1,240 @@
+"""The Python API: ``LLM(model=..., speculative_model=..., num_speculative_tokens=...)``.
+
+Everything funnels into :meth:`LLM.stream`, a generator of text deltas built on the engine's
+token generator; ``generate``, ``chat``, the CLI and the benchmarks consume that one stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Union
+
+import torch
+
+from .detokenize import IncrementalDetokenizer
+from .draft_length import DraftLengthConfig
+from .drafters import DraftModelDrafter, Drafter, NgramDrafter, check_vocab_compatible
+from .engine import generate_tokens
+from .errors import SpeclmError
+from .models import LoadedModel, load_model
+from .models.loading import resolve_model_path
+from .sampling import SamplingParams
+from .stats import RequestStats
+
+Message = dict[str, str]
+Prompt = Union[str, Sequence[Message]]  # text, or chat messages ({"role", "content"} dicts)
+
+
+@dataclass
+class StreamChunk:
+    text: str  # new text since the previous chunk (may be empty)
+    token_ids: list[int]  # tokens committed since the previous chunk
+    finish_reason: str | None  # "stop", "length", or None while generating
+    stats: RequestStats  # live: complete once finish_reason is set
+
+
+@dataclass
+class Speculation:
+    """A drafter with its draft-length settings; ``name`` appears in stats."""
+
+    drafter: Drafter
+    draft_length: DraftLengthConfig
+    name: str
+
+
+@dataclass
+class RequestOutput:
+    prompt: Prompt
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats = field(repr=False)
+
+
+class LLM:
+    """A target model plus (optionally) a drafter.
+
+    Args:
+        model: ``"default"`` (embedded SmolLM2-135M-Instruct), an HF model folder, or a GGUF file.
+        speculative_model: ``None`` (plain decoding), ``"ngram"`` (prompt lookup), a draft model
+            (folder, GGUF file or ``"default"``) sharing the target's tokenizer, or a ``Drafter``.
+        num_speculative_tokens: K, the most tokens drafted per round (``--draft-max``).
+        draft_min: drafts shorter than this are dropped (``--draft-min``).
+        draft_p_min: a draft model stops when its top probability falls below this.
+        adaptive_draft: choose K each round from measured acceptance and costs.
+        ngram_min, ngram_max: n-gram sizes tried by prompt lookup (longest first).
+        device, dtype: where and in what precision to run (``"auto"`` picks CUDA/bf16 if present).
+        gguf_file: a GGUF file name inside ``model`` when ``model`` is a folder.
+    """
+
+    def __init__(
+        self,
+        model: str | None = "default",
+        speculative_model: str | Drafter | None = None,
+        num_speculative_tokens: int = 5,
+        *,
+        draft_min: int = 0,
+        draft_p_min: float = 0.0,
+        adaptive_draft: bool = False,
+        ngram_min: int = 2,
+        ngram_max: int = 3,
+        device: str | None = "cpu",
+        dtype: str | torch.dtype | None = None,
+        gguf_file: str | None = None,
+    ) -> None:
+        self._loaded: LoadedModel = load_model(model, device=device, dtype=dtype, gguf_file=gguf_file)
+        self._device, self._dtype = device, dtype
+        self.tokenizer = self._loaded.tokenizer
+        self.target = self._loaded.backend
+        self.speculation = self.make_speculation(
+            speculative_model, num_speculative_tokens, draft_min=draft_min,
+            draft_p_min=draft_p_min, adaptive_draft=adaptive_draft,
+            ngram_min=ngram_min, ngram_max=ngram_max,
+        )
+
+    def make_speculation(
+        self,
+        speculative_model: str | Drafter | None,
+        num_speculative_tokens: int = 5,
+        *,
+        draft_min: int = 0,
+        draft_p_min: float = 0.0,
+        adaptive_draft: bool = False,
+        ngram_min: int = 2,
+        ngram_max: int = 3,
+    ) -> Speculation | None:
+        """Build a drafter setup for this target (arguments as in the constructor).
+
+        Pass the result to :meth:`stream` to run several setups over one loaded target.
+        """
+        draft_length = DraftLengthConfig(num_speculative_tokens, draft_min, adaptive_draft)
+        if speculative_model is None:
+            return None
+        if isinstance(speculative_model, Drafter):
+            return Speculation(speculative_model, draft_length, type(speculative_model).__name__)
+        if speculative_model == "ngram":
+            return Speculation(NgramDrafter(ngram_min, ngram_max), draft_length,
+                               f"ngram[{ngram_min}..{ngram_max}]")
+        if isinstance(speculative_model, str):
+            drafter = self._load_draft_model(speculative_model, draft_p_min)
+            return Speculation(drafter, draft_length, f"draft:{speculative_model}")
+        raise SpeclmError(f"speculative_model must be None, 'ngram', a path or a Drafter, "
+                          f"got {type(speculative_model).__name__}")
+
+    def _load_draft_model(self, spec: str, p_min: float) -> DraftModelDrafter:
+        if resolve_model_path(spec) == self._loaded.path:  # self-drafting: share the weights
+            backend = self.target.fork()
+        else:
+            draft = load_model(spec, device=self._device, dtype=self._dtype or self.target.dtype)
+            check_vocab_compatible(self.tokenizer, draft.tokenizer)
+            backend = draft.backend
+        return DraftModelDrafter(backend, self.target.vocab_size, p_min=p_min)
+
+    # -- prompts ---------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        """Token ids for a text prompt, or for chat messages through the chat template."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise SpeclmError("the prompt is empty")
+            return self.tokenizer(prompt)["input_ids"]
+        return self.tokenizer(self.render_chat(prompt), add_special_tokens=False)["input_ids"]
+
+    def render_chat(self, messages: Sequence[Message]) -> str:
+        """The model's chat template applied to ``messages``, ready for the assistant's turn."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise SpeclmError(f"model {self._loaded.name!r} has no chat template; "
+                              "give a plain text prompt instead")
+        if not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise SpeclmError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+    # -- generation ------------------------------------------------------------------------
+    def stream(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        *,
+        speculative: bool | Speculation = True,
+    ) -> Iterator[StreamChunk]:
+        """Generate, yielding text deltas as tokens are accepted.
+
+        ``speculative=False`` runs plain decoding through the same engine (the baseline); a
+        :class:`Speculation` from :meth:`make_speculation` replaces this LLM's own.
+        """
+        params = params or SamplingParams()
+        params.validate()
+        prompt_ids = torch.tensor(self.encode(prompt), dtype=torch.long)
+        spec = speculative if isinstance(speculative, Speculation) else (
+            self.speculation if speculative else None)
+        stats = RequestStats(drafter=spec.name if spec is not None else "none")
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+        steps = generate_tokens(
+            self.target, prompt_ids, params,
+            drafter=spec.drafter if spec is not None else None,
+            draft_length=spec.draft_length if spec is not None else None,
+            stats=stats, generator=params.make_generator(self.target.device),
+        )
+        try:
+            for step in steps:
+                text, kept = self._detokenize(detok, step.tokens, bool(params.stop))
+                finish = "stop" if detok.stopped else step.finish_reason
+                if finish is not None:
+                    steps.close()  # finalise stats before the last chunk goes out
+                    text += detok.flush()
+                yield StreamChunk(text, kept, finish, stats)
+                if finish is not None:
+                    return
+        finally:
+            steps.close()
+
+    @staticmethod
+    def _detokenize(detok: IncrementalDetokenizer, tokens: list[int], per_token: bool):
+        if not per_token:
+            return detok.add(tokens), tokens
+        text = ""
+        for i, tok in enumerate(tokens):  # stop strings: find the token that completes one
+            text += detok.add([tok])
+            if detok.stopped:
+                return text, tokens[: i + 1]
+        return text, tokens
+
+    def _collect(self, prompt: Prompt, params: SamplingParams | None, speculative: bool | Speculation) -> RequestOutput:
+        text, ids, chunk = [], [], None
+        for chunk in self.stream(prompt, params, speculative=speculative):
+            text.append(chunk.text)
+            ids.extend(chunk.token_ids)
+        return RequestOutput(prompt, "".join(text), ids, chunk.finish_reason, chunk.stats)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        params: SamplingParams | None = None,
+        *,
+        speculative: bool | Speculation = True,
+    ) -> list[RequestOutput]:
+        """Complete each text prompt (no chat template); one output per prompt, in order."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        return [self._collect(p, params, speculative) for p in prompts]
+
+    def chat(
+        self, messages: Sequence[Message], params: SamplingParams | None = None, *,
+        speculative: bool | Speculation = True,
+    ) -> RequestOutput:
+        """Answer a conversation (a list of role/content messages) through the chat template."""
+        if isinstance(messages, str):
+            raise SpeclmError("chat() takes a list of messages; use generate() for plain text")
+        return self._collect(messages, params, speculative)
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.speculation.drafter if self.speculation is not None else None
+
+    @property
+    def model_path(self) -> Path:
+        return self._loaded.path

@@ -1,0 +1,261 @@
+"""``speclm`` command line: generate and chat, streaming, with speculative decoding stats.
+
+User mistakes (bad flags or values, missing files, bad models) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from .errors import SpeclmError
+from .sampling import SamplingParams
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse's own code)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a valid {kind.__name__}: {text!r}") from None
+    return parse
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", "-m", default="default",
+                   help="target: 'default' (embedded SmolLM2-135M-Instruct), an HF folder or a "
+                        ".gguf file (default: %(default)s)")
+    g.add_argument("--gguf-file", help="GGUF file name inside --model when it is a folder")
+    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    g.add_argument("--dtype", default="auto",
+                   help="float32, bfloat16, float16, float64 or auto: float32 on CPU, bfloat16 on "
+                        "GPUs that support it (default: %(default)s)")
+
+    d = p.add_argument_group("speculative decoding")
+    which = d.add_mutually_exclusive_group()
+    which.add_argument("--ngram", action="store_true",
+                       help="draft by prompt lookup (n-gram match in prompt + output); the default")
+    which.add_argument("--draft-model", metavar="PATH",
+                       help="draft with a smaller model sharing the target's tokenizer "
+                            "(HF folder, .gguf, or 'default')")
+    which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
+    d.add_argument("--draft-max", type=_positive(int), default=None,
+                   help="K, most tokens drafted per round (default: 5 for a draft model, "
+                        "10 for --ngram, whose drafts cost nothing)")
+    d.add_argument("--draft-min", type=_positive(int), default=0,
+                   help="drop drafts shorter than this (default: %(default)s)")
+    d.add_argument("--draft-p-min", type=_positive(float), default=0.0,
+                   help="draft model stops when its top probability is below this (default: off)")
+    d.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
+                   help="choose K each round from measured acceptance and step costs, drafting "
+                        "nothing when speculation would not pay (default: off; see docs)")
+    d.add_argument("--ngram-min", type=_positive(int), default=2,
+                   help="smallest n-gram; 1-grams match often and are mostly rejected (default: 2)")
+    d.add_argument("--ngram-max", type=_positive(int), default=3, help="largest n-gram (default: 3)")
+
+    s = p.add_argument_group("sampling")
+    s.add_argument("--temperature", "--temp", type=_positive(float), default=0.0,
+                   help="0 = greedy, identical to plain greedy decoding (default: %(default)s)")
+    s.add_argument("--top-k", type=_positive(int), default=0, help="0 = off (default)")
+    s.add_argument("--top-p", type=_positive(float), default=1.0, help="in (0, 1]; 1 = off (default)")
+    s.add_argument("--seed", type=_positive(int), default=None, help="random seed for sampling")
+    s.add_argument("--max-tokens", "-n", type=_positive(int), default=256,
+                   help="most tokens to generate (default: %(default)s)")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--system", help="system message for chat-formatted prompts")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="speclm",
+        description="Lossless speculative decoding for Hugging Face causal LMs. The output is the "
+                    "target model's own (token-identical when greedy); a drafter only makes it "
+                    "come faster.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = sub.add_parser("generate", help="generate from one prompt, streaming, then print stats",
+                         description="Generate from a prompt given as argument, --file or stdin.")
+    gen.add_argument("prompt", nargs="?", help="the prompt ('-' or absent: read stdin)")
+    gen.add_argument("--file", "-f", help="read the prompt from this file")
+    gen.add_argument("--raw", action="store_true",
+                     help="feed the prompt as is, without the model's chat template")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run plain decoding on the same prompt; print the measured speedup "
+                          "and whether the greedy outputs are identical")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object (text and stats) instead of streaming")
+    gen.add_argument("--quiet", "-q", action="store_true", help="do not print stats")
+    _add_model_flags(gen)
+    chat = sub.add_parser("chat", help="interactive multi-turn chat, streaming",
+                          description="Chat with the model. Commands: /reset, /stats, /exit.")
+    chat.add_argument("--stats", action="store_true", help="print stats after every answer")
+    _add_model_flags(chat)
+    return parser
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          max_tokens=args.max_tokens, stop=args.stop, seed=args.seed)
+
+
+def _make_llm(args: argparse.Namespace):
+    from .api import LLM  # heavy imports only after the flags are known to be valid
+
+    from .draft_length import DraftLengthConfig
+    from .drafters import NgramDrafter
+
+    if args.no_spec:
+        spec, default_k = None, 5
+    elif args.draft_model:
+        spec, default_k = args.draft_model, 5
+    else:
+        spec, default_k = "ngram", 10
+    k = default_k if args.draft_max is None else args.draft_max
+    # check every value before spending time on loading models
+    DraftLengthConfig(k, args.draft_min, args.adaptive)
+    NgramDrafter(args.ngram_min, args.ngram_max)
+    if not 0.0 <= args.draft_p_min < 1.0:
+        raise SpeclmError(f"--draft-p-min must be in [0, 1), got {args.draft_p_min}")
+    return LLM(args.model, spec, k, draft_min=args.draft_min, draft_p_min=args.draft_p_min,
+               adaptive_draft=args.adaptive, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+               device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.file and args.prompt:
+        raise SpeclmError("give the prompt as an argument or with --file, not both")
+    if args.file:
+        try:
+            with open(args.file, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            raise SpeclmError(f"cannot read prompt file {args.file!r}: {exc.strerror}") from None
+    elif args.prompt is None or args.prompt == "-":
+        if sys.stdin is None or sys.stdin.isatty():
+            raise SpeclmError("no prompt: give one as an argument, with --file, or on stdin")
+        text = sys.stdin.read()
+    else:
+        text = args.prompt
+    if not text.strip():
+        raise SpeclmError("the prompt is empty")
+    return text
+
+
+def _as_prompt(llm, text: str, args: argparse.Namespace):
+    if args.raw or not getattr(llm.tokenizer, "chat_template", None):
+        return text
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    return messages + [{"role": "user", "content": text}]
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    text = _read_prompt(args)
+    params = _sampling(args)
+    llm = _make_llm(args)
+    prompt = _as_prompt(llm, text, args)
+    if args.compare:  # warm-up so neither run pays one-time costs
+        for _ in llm.stream(prompt, SamplingParams(max_tokens=2), speculative=False):
+            pass
+    out_text, ids, chunk = [], [], None
+    for chunk in llm.stream(prompt, params):
+        out_text.append(chunk.text)
+        ids.extend(chunk.token_ids)
+        if not args.json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+    stats = chunk.stats
+    if args.json:
+        result = {"text": "".join(out_text), "token_ids": ids,
+                  "finish_reason": chunk.finish_reason, "stats": stats.to_dict()}
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        if not args.quiet:
+            print(stats.summary(), file=sys.stderr)
+    if args.compare:
+        plain_ids, plain = [], None
+        for plain in llm.stream(prompt, params, speculative=False):
+            plain_ids.extend(plain.token_ids)
+        speedup = stats.tokens_per_s / plain.stats.tokens_per_s if plain.stats.tokens_per_s else 0.0
+        identical = plain_ids == ids
+        if args.json:
+            result["compare"] = {"plain_stats": plain.stats.to_dict(), "speedup": speedup,
+                                 "identical": identical}
+        else:
+            verdict = ("identical" if identical else "DIFFERENT") if params.greedy else \
+                "differ by design when sampling (same distribution, different draws)"
+            print(f"plain decoding: {plain.stats.generated_tokens} tokens, "
+                  f"{plain.stats.tokens_per_s:.1f} tok/s\nspeedup: {speedup:.2f}x; outputs {verdict}",
+                  file=sys.stderr)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    params = _sampling(args)
+    llm = _make_llm(args)
+    if not getattr(llm.tokenizer, "chat_template", None):
+        raise SpeclmError(f"model {args.model!r} has no chat template; use 'speclm generate --raw'")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history: list[dict[str, str]] = []
+    last = None
+    print("speclm chat: /reset clears the conversation, /stats shows the last answer's stats, "
+          "/exit quits", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        command = line.strip()
+        if not command:
+            continue
+        if command in ("/exit", "/quit"):
+            return 0
+        if command == "/reset":
+            history.clear()
+            continue
+        if command == "/stats":
+            print(last.summary() if last else "no answer yet", file=sys.stderr)
+            continue
+        history.append({"role": "user", "content": line})
+        answer = []
+        for chunk in llm.stream(system + history, params):
+            answer.append(chunk.text)
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        history.append({"role": "assistant", "content": "".join(answer)})
+        last = chunk.stats
+        if args.stats:
+            print(last.summary(), file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    start = time.perf_counter()
+    try:
+        return _cmd_generate(args) if args.command == "generate" else _cmd_chat(args)
+    except SpeclmError as exc:
+        print(f"speclm: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"\ninterrupted after {time.perf_counter() - start:.1f} s", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

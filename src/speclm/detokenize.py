@@ -1,0 +1,69 @@
+"""Incremental detokenization with stop strings, for streaming text deltas.
+
+Tokens are decoded in a sliding window (the last few tokens before the unread ones) so each step
+costs O(window), and a delta is held back while it ends in an incomplete UTF-8 sequence (U+FFFD)
+or while its tail could still grow into a stop string, so no client ever sees text that is later
+taken back.
+"""
+
+from __future__ import annotations
+
+_WINDOW = 6  # tokens of left context re-decoded so merges at the boundary come out right
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer: object, stop: list[str] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.stop = list(stop or [])
+        self.token_ids: list[int] = []
+        self.text = ""  # all text decoded so far (up to a stop string, exclusive)
+        self._emitted = 0  # chars of self.text already returned
+        self._prefix = 0  # token index where the decode window starts
+        self._read = 0  # tokens whose text is already in self.text
+        self.stopped = False
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def add(self, new_ids: list[int]) -> str:
+        """Add tokens; return the text that is now final (may be empty)."""
+        if self.stopped:
+            return ""
+        self.token_ids.extend(new_ids)
+        prefix_text = self._decode(self.token_ids[self._prefix : self._read])
+        full = self._decode(self.token_ids[self._prefix :])
+        if full.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return self._release(final=False)
+        self.text += full[len(prefix_text) :]
+        self._read = len(self.token_ids)
+        self._prefix = max(0, self._read - _WINDOW)
+        return self._release(final=False)
+
+    def _release(self, final: bool) -> str:
+        if self.stop:
+            search_from = max(0, self._emitted - max(len(s) for s in self.stop))
+            hits = [i for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+                final = True
+        end = len(self.text)
+        if not final and self.stop:
+            end -= self._held_back()
+        delta = self.text[self._emitted : end]
+        self._emitted = max(self._emitted, end)
+        return delta
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = 0
+        for s in self.stop:
+            for size in range(min(len(s) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(s[:size]):
+                    longest = size
+                    break
+        return longest
+
+    def flush(self) -> str:
+        """The request ended: release whatever was held back."""
+        return self._release(final=True)

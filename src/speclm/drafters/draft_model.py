@@ -1,0 +1,102 @@
+"""A smaller model with the target's tokenizer drafts K tokens autoregressively.
+
+The draft keeps its own KV cache in step with the committed tokens: after verification it rolls
+back to the accepted prefix and, next round, feeds only what it has not seen (the recovered or
+bonus token, plus the last draft token when everything was accepted).
+
+With sampling, tokens are drawn from q = warp(draft logits) with the same warp as the target and
+those q rows go to the verifier. With ``p_min > 0`` drafting stops early when the draft's top
+probability falls below it (llama.cpp's ``--draft-p-min``): low-confidence tokens are usually
+rejected, and each one costs a draft forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpeclmError
+from ..models.base import CausalLM
+from ..sampling import sample_token, warp_probs
+from .base import Draft, DraftContext
+
+
+def check_vocab_compatible(target_tokenizer: object, draft_tokenizer: object) -> None:
+    """The draft must speak the target's token ids; raise a clear error if it does not."""
+    target_vocab = target_tokenizer.get_vocab()
+    draft_vocab = draft_tokenizer.get_vocab()
+    if target_vocab == draft_vocab:
+        return
+    differing = sum(1 for tok, idx in target_vocab.items() if draft_vocab.get(tok) != idx)
+    raise SpeclmError(
+        f"draft model's tokenizer differs from the target's ({len(draft_vocab)} vs "
+        f"{len(target_vocab)} tokens, {differing} target tokens missing or renumbered); "
+        "a draft model must share the target's vocabulary"
+    )
+
+
+class DraftModelDrafter:
+    """Autoregressive drafting with a (smaller) causal LM sharing the target's vocabulary."""
+
+    def __init__(self, model: CausalLM, target_vocab_size: int, p_min: float = 0.0) -> None:
+        if not 0.0 <= p_min < 1.0:
+            raise SpeclmError(f"draft p_min must be in [0, 1), got {p_min}")
+        self.model = model
+        self.target_vocab_size = target_vocab_size
+        self.p_min = p_min
+        self._synced = 0  # committed tokens held in the draft's cache
+        self._round_start = 0  # committed length when the last draft was made
+        self._fed_drafts = 0  # draft tokens of the last round that went through the draft model
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        self.model.reset()
+        self._synced = 0
+        self._fed_drafts = 0
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """[1, V_draft] -> [1, V_target]: padded embedding rows differ between checkpoints."""
+        extra = self.target_vocab_size - logits.shape[-1]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+        return logits[:, : self.target_vocab_size]
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        ids = ctx.token_ids  # [n]
+        total = ids.shape[0]
+        self._fed_drafts = 0
+        if ctx.max_tokens <= 0:
+            self._round_start = self._synced  # nothing fed: on_verified keeps the cache as is
+            return Draft.empty(ids.device)
+        self._round_start = total
+        params = ctx.params
+        pending = ids[self._synced :]  # [n - synced] tokens the draft has not seen (>= 1)
+        logits = self.model.forward(pending, self._synced).logits  # [1, V_draft]
+        self._synced = total
+        tokens: list[torch.Tensor] = []  # each [1]
+        q_rows: list[torch.Tensor] = []  # each [1, V]; sampling only (greedy needs no q)
+        for i in range(ctx.max_tokens):
+            logits = self._fit_vocab(logits)  # [1, V]
+            if params.greedy:
+                q, token = None, logits.argmax(-1)  # [1]
+            else:
+                q = warp_probs(logits, params)  # [1, V], the same warp as the target's p
+                token = sample_token(q, ctx.generator)
+            if self.p_min > 0:  # costs a host sync per draft token, so only when asked
+                confidence = q if q is not None else torch.softmax(logits.float(), -1)
+                if float(confidence.max()) < self.p_min:
+                    break
+            tokens.append(token)
+            if q is not None:
+                q_rows.append(q)
+            if i + 1 < ctx.max_tokens:
+                logits = self.model.forward(token, total + i).logits
+                self._fed_drafts += 1
+        if not tokens:
+            return Draft.empty(ids.device)
+        draft_tokens = torch.cat(tokens).to(ids.device)  # [k]
+        return Draft(draft_tokens, torch.cat(q_rows) if q_rows else None)  # q: [k, V]
+
+    def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
+        # Cached: committed prefix + the draft tokens fed. Keep those that were accepted.
+        keep = self._round_start + min(num_accepted, self._fed_drafts)
+        self.model.rollback(keep)
+        self._synced = keep

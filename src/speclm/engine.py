@@ -1,0 +1,130 @@
+"""The speculative decoding loop, as a generator of committed tokens.
+
+Invariant: the target's cache holds every committed token but the last (the *pending* token).
+One round:
+
+1. the drafter proposes k tokens continuing the committed tokens (k = 0: plain decoding);
+2. the target runs [pending, d_1 .. d_k] at positions n-1 .. n-1+k in one forward, giving
+   logits [k+1, V] where row i predicts the position of d_{i+1} (row k: the bonus position);
+3. the verifier accepts a prefix d_1 .. d_a and draws one more token (recovered or bonus);
+4. both caches roll back to the accepted prefix and the a+1 tokens are committed.
+
+Plain decoding is the same loop with no drafter, so the baseline shares the sampler, the cache
+and the timing code with every speculative method. The loop makes one host sync per round.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from .draft_length import DraftLengthConfig, DraftLengthPolicy
+from .drafters.base import Draft, DraftContext, Drafter
+from .errors import SpeclmError
+from .models.base import CausalLM
+from .sampling import SamplingParams
+from .stats import RequestStats
+from .verifier import verify
+
+
+@dataclass
+class Step:
+    """Tokens committed by one round (EOS included when it ends the request)."""
+
+    tokens: list[int]
+    finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens or context) or None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":  # honest timing: wait for queued kernels
+        torch.cuda.synchronize(device)
+
+
+def generate_tokens(
+    target: CausalLM,
+    prompt_ids: torch.Tensor,
+    params: SamplingParams,
+    *,
+    drafter: Drafter | None = None,
+    draft_length: DraftLengthConfig | None = None,
+    stats: RequestStats | None = None,
+    generator: torch.Generator | None = None,
+) -> Iterator[Step]:
+    """Generate from ``prompt_ids`` ([n] int64), yielding each round's committed tokens.
+
+    ``stats`` (if given) is filled in as the generation runs, and is complete once the generator
+    is exhausted or closed.
+    """
+    stats = stats if stats is not None else RequestStats()
+    config = draft_length or DraftLengthConfig()
+    policy = DraftLengthPolicy(config) if drafter is not None else None
+    gen = generator if generator is not None else params.make_generator(target.device)
+    prompt_ids = prompt_ids.detach().to("cpu", torch.long).flatten()
+    n = prompt_ids.shape[0]
+    if n == 0:
+        raise SpeclmError("the prompt is empty")
+    if n >= target.max_context:
+        raise SpeclmError(f"the prompt has {n} tokens but the model's context is {target.max_context}")
+
+    start = time.perf_counter()
+    stats.prompt_tokens = n
+    tokens = torch.empty(min(target.max_context, n + params.max_tokens), dtype=torch.long)
+    tokens[:n] = prompt_ids
+    try:
+        target.reset()
+        if drafter is not None:
+            drafter.reset(prompt_ids)
+        if n > 1:
+            target.forward(tokens[: n - 1], 0)  # prefill all but the pending token
+            _sync(target.device)
+        stats.prefill_time_s = time.perf_counter() - start
+        generated = 0
+        while True:
+            # -- draft ---------------------------------------------------------------------
+            t0 = time.perf_counter()
+            budget = min(params.max_tokens - generated, target.max_context - n) - 1
+            k_max = min(policy.next_k(), budget) if policy is not None else 0
+            draft = Draft.empty()
+            if k_max > 0:
+                draft = drafter.propose(DraftContext(tokens[:n], k_max, params, gen))
+                if draft.num_tokens < config.draft_min:
+                    draft = Draft.empty()
+                _sync(target.device)
+            k = draft.num_tokens
+            t1 = time.perf_counter()
+            # -- verify --------------------------------------------------------------------
+            fed = torch.cat([tokens[n - 1 : n], draft.tokens.cpu()])  # [k + 1]
+            logits = target.forward(fed, n - 1, num_logits=k + 1).logits  # [k + 1, V]
+            verdict = verify(logits, draft.to(logits.device), params, gen)
+            result = torch.cat([verdict.num_accepted.view(1), verdict.tokens]).tolist()  # sync
+            num_accepted, emitted = result[0], result[1 : result[0] + 2]
+            target.rollback(n + num_accepted)
+            if drafter is not None:
+                drafter.on_verified(num_accepted, emitted)
+            t2 = time.perf_counter()
+            stats.draft_time_s += t1 - t0
+            stats.target_time_s += t2 - t1
+            stats.record_round(k, num_accepted)
+            if policy is not None:
+                policy.update(k, num_accepted, t1 - t0, t2 - t1)
+            # -- commit --------------------------------------------------------------------
+            tokens[n : n + len(emitted)] = torch.tensor(emitted)
+            n += len(emitted)
+            finish = None
+            if not params.ignore_eos:
+                for i, tok in enumerate(emitted):
+                    if tok in target.eos_token_ids:
+                        emitted, finish = emitted[: i + 1], "stop"
+                        break
+            generated += len(emitted)
+            stats.generated_tokens = generated
+            if finish is None and (generated >= params.max_tokens or n >= tokens.shape[0]):
+                finish = "length"
+            yield Step(emitted, finish)
+            if finish is not None:
+                return
+    finally:
+        stats.total_time_s = time.perf_counter() - start

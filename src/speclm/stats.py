@@ -1,0 +1,86 @@
+"""Per-request statistics: what was drafted, accepted, and where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    target_forwards: int = 0  # decode-time target forwards (prefill excluded)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)  # [K_max] drafts reaching i
+    accepted_per_position: list[int] = field(default_factory=list)  # [K_max] accepted at i
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    target_time_s: float = 0.0  # decode-time target forwards + verification
+    total_time_s: float = 0.0
+    drafter: str = "none"
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.target_forwards += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance rate: accepted / drafted draft tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per target forward, bonus/recovered token included."""
+        return self.generated_tokens / self.target_forwards if self.target_forwards else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """P(draft token i accepted | draft reached position i and position i-1 was accepted)."""
+        rates = []
+        reached = self.drafted_per_position
+        for i, n in enumerate(reached):
+            prior = self.accepted_per_position[i - 1] if i else n
+            eligible = min(n, prior)
+            rates.append(self.accepted_per_position[i] / eligible if eligible else 0.0)
+        return rates
+
+    @property
+    def decode_time_s(self) -> float:
+        return self.total_time_s - self.prefill_time_s
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens over wall time, prefill included."""
+        return self.generated_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out.update(alpha=self.alpha, tau=self.tau, tokens_per_s=self.tokens_per_s,
+                   acceptance_by_position=self.acceptance_by_position)
+        return out
+
+    def summary(self) -> str:
+        """A few human-readable lines."""
+        lines = [
+            f"drafter {self.drafter}: {self.generated_tokens} tokens in {self.total_time_s:.2f} s "
+            f"({self.tokens_per_s:.1f} tok/s), prompt {self.prompt_tokens} tokens "
+            f"(prefill {self.prefill_time_s:.2f} s)",
+            f"target forwards {self.target_forwards}, tau {self.tau:.2f} tokens/forward; "
+            f"drafted {self.drafted_tokens}, accepted {self.accepted_tokens} "
+            f"(alpha {self.alpha:.2f})",
+            f"time: target {self.target_time_s:.2f} s, draft {self.draft_time_s:.2f} s",
+        ]
+        if self.drafted_per_position:
+            rates = " ".join(f"{r:.2f}" for r in self.acceptance_by_position)
+            lines.append(f"acceptance by draft position: {rates}")
+        return "\n".join(lines)

@@ -1,0 +1,137 @@
+"""The accept/resample step keeps the target distribution exactly.
+
+1. Exact: enumerate the draft token x ~ q and compute P(output = y) from the verifier's own
+   acceptance and residual functions; it must equal p for adversarial p/q pairs and warps.
+2. Monte Carlo: the real ``verify`` (with its random draws) matches p by a chi-square test, and
+   the same test rejects a deliberately biased sampler (so it can fail).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from speclm.drafters.base import Draft
+from speclm.sampling import SamplingParams, warp_probs
+from speclm.verifier import acceptance_probs, residual_probs, verify
+
+V = 8
+NEG = float("-inf")
+
+
+def _logits(*values: float) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float64)
+
+
+# (name, target logits, draft logits)
+CASES = [
+    ("disjoint supports", _logits(2, 1, 0.5, NEG, NEG, NEG, NEG, NEG),
+     _logits(NEG, NEG, NEG, 1, 3, 0, 2, NEG)),
+    ("q much sharper than p", _logits(0.1, 0.2, 0.3, 0.1, 0.0, 0.2, 0.1, 0.3),
+     _logits(0.1, 0.2, 0.3, 0.1, 0.0, 0.2, 0.1, 0.3) * 25),
+    ("p with zeros", _logits(NEG, 2, NEG, 1, NEG, 0.5, NEG, 3),
+     _logits(1, 1, 1, 1, 1, 1, 1, 1)),
+    ("p sharp, q flat", _logits(8, 0, 0, 0, 1, 0, 0, 0), _logits(0, 0, 0, 0, 0, 0, 0, 0)),
+    ("p equals q", _logits(1, 2, 3, 0, 1, 2, 0, 1), _logits(1, 2, 3, 0, 1, 2, 0, 1)),
+    ("q one-hot where p is small", _logits(3, 2, 1, 0, -1, -2, -3, -4),
+     _logits(NEG, NEG, NEG, NEG, NEG, NEG, NEG, 0)),
+]
+WARPS = [
+    SamplingParams(temperature=1.0),
+    SamplingParams(temperature=0.6, top_k=3),
+    SamplingParams(temperature=1.7, top_p=0.7),
+    SamplingParams(temperature=1.0, top_k=4, top_p=0.5),
+]
+
+
+def exact_output_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """P(verifier emits y) for one drafted position, draft token x ~ q, from the verifier's
+    own functions: sum_x q(x) [a(x) 1{y = x} + (1 - a(x)) residual(y)]."""
+    out = torch.zeros_like(p)
+    residual = residual_probs(p[None], q[None])[0]
+    for x in range(p.shape[0]):
+        if q[x] == 0:
+            continue
+        a = acceptance_probs(p[x : x + 1], q[x : x + 1])[0]
+        out[x] += q[x] * a
+        out += q[x] * (1 - a) * residual
+    return out
+
+
+@pytest.mark.parametrize("name,p_logits,q_logits", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("params", WARPS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_exact_distribution(name, p_logits, q_logits, params):
+    p = warp_probs(p_logits[None], params)[0]
+    q = warp_probs(q_logits[None], params)[0]
+    if q.sum() == 0 or torch.isnan(q).any():
+        pytest.skip("warp leaves q empty")
+    torch.testing.assert_close(exact_output_distribution(p, q), p, atol=1e-12, rtol=0)
+
+
+def test_exact_distribution_deterministic_draft():
+    """Prompt lookup has no q: every possible drafted token, as a one-hot q, is lossless."""
+    p = warp_probs(CASES[0][1][None], SamplingParams(temperature=1.0))[0]
+    for x in range(V):
+        q = torch.nn.functional.one_hot(torch.tensor(x), V).to(torch.float64)
+        torch.testing.assert_close(exact_output_distribution(p, q), p, atol=1e-12, rtol=0)
+
+
+def _sample_first_tokens(p_logits, q_logits, params, n, seed=0, sampler=verify):
+    gen = torch.Generator().manual_seed(seed)
+    q = warp_probs(q_logits[None], params)  # [1, V]
+    counts = torch.zeros(V)
+    target_logits = torch.stack([p_logits, p_logits])  # [2, V]: drafted position + bonus
+    for _ in range(n):
+        x = torch.multinomial(q[0], 1, generator=gen)  # [1]
+        verdict = sampler(target_logits, Draft(x, q), params, gen)
+        counts[int(verdict.tokens[0])] += 1
+    return counts
+
+
+@pytest.mark.parametrize("case", [0, 1, 2, 5], ids=lambda i: CASES[i][0])
+def test_verify_samples_match_target(case):
+    _, p_logits, q_logits = CASES[case]
+    params = SamplingParams(temperature=0.8, top_k=6)
+    p = warp_probs(p_logits[None], params)[0]
+    counts = _sample_first_tokens(p_logits, q_logits, params, n=3000)
+    support = p > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support].numpy(), (p[support] * counts.sum()).numpy()).pvalue > 1e-3
+
+
+def test_chi_square_detects_biased_sampler():
+    """Always accepting the draft yields q, not p: the same test must reject it."""
+    _, p_logits, q_logits = CASES[1]
+    params = SamplingParams(temperature=1.0)
+
+    def accept_all(target_logits, draft, params, gen):
+        return type(verify(target_logits, draft, params, gen))(torch.tensor(1), draft.tokens)
+
+    counts = _sample_first_tokens(p_logits, q_logits, params, n=3000, sampler=accept_all)
+    p = warp_probs(p_logits[None], params)[0]
+    assert chisquare(counts.numpy(), (p * counts.sum()).numpy()).pvalue < 1e-6
+
+
+def test_greedy_verify_rules():
+    logits = torch.full((4, V), -1.0, dtype=torch.float64)
+    logits[0, 3] = logits[1, 5] = logits[2, 1] = logits[3, 7] = 2.0  # argmax: 3, 5, 1, 7
+    greedy = SamplingParams()
+    gen = torch.Generator()
+    v = verify(logits, Draft(torch.tensor([3, 5, 2])), greedy, gen)  # third draft wrong
+    assert int(v.num_accepted) == 2 and v.tokens[:3].tolist() == [3, 5, 1]  # recovered = argmax
+    v = verify(logits, Draft(torch.tensor([3, 5, 1])), greedy, gen)  # all accepted
+    assert int(v.num_accepted) == 3 and v.tokens.tolist() == [3, 5, 1, 7]  # bonus token
+    v = verify(logits[:1], Draft.empty(), greedy, gen)  # plain decoding
+    assert int(v.num_accepted) == 0 and v.tokens.tolist() == [3]
+
+
+def test_warp_filters():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 4.0]], dtype=torch.float64)
+    assert (warp_probs(logits, SamplingParams(temperature=1.0, top_k=2))[0, :3] == 0).all()
+    probs = warp_probs(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    full = torch.softmax(logits, -1)[0]
+    # smallest set reaching 0.7: {4} has 0.64 < 0.7, {4, 3} reaches it
+    assert (probs[0, :3] == 0).all() and probs[0, 3] > 0
+    torch.testing.assert_close(probs[0, 3:], full[3:] / full[3:].sum())
+    assert torch.equal(warp_probs(logits, SamplingParams()), torch.tensor([[0.0, 0, 0, 0, 1]], dtype=torch.float64))
