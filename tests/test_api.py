@@ -20,7 +20,8 @@ def test_generate_matches_plain_and_reports_stats(llm):
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert [o.text for o in spec] == [o.text for o in plain]
     s = spec[0].stats
-    assert s.generated_tokens == 30 and s.target_forwards <= 30 and spec[0].finish_reason == "length"
+    assert s.generated_tokens == 30 and spec[0].finish_reason == "length"
+    assert sum(o.stats.accepted_tokens for o in spec) > 0  # speculation happened
     assert s.tau == pytest.approx(30 / s.target_forwards)
     assert plain[0].stats.drafted_tokens == 0 and plain[0].stats.tau == 1.0
 
@@ -42,19 +43,23 @@ def test_stop_string_truncates_text_and_tokens(llm):
     assert out.finish_reason == "stop"
     assert out.text == free.text[: free.text.index(stop)]
     assert stop not in out.text and len(out.token_ids) < 30
+    assert out.stats.generated_tokens == len(out.token_ids)
     streamed = "".join(c.text for c in llm.stream("the quick brown fox", SamplingParams(
         max_tokens=30, stop=[stop], ignore_eos=True)))
     assert streamed == out.text
 
 
-def test_eos_ends_generation(model_dirs):
-    llm = LLM(str(model_dirs["target"]), None, dtype="float64")
+@pytest.mark.parametrize("speculative", [False, True])
+def test_eos_ends_generation(model_dirs, speculative):
+    path = str(model_dirs["target"])
+    llm = LLM(path, path, 3, dtype="float64")  # self-draft: rounds of 4 tokens
     free = llm.generate("the quick", SamplingParams(max_tokens=20, ignore_eos=True))[0]
-    eos = free.token_ids[5]  # pretend the 6th generated token is end-of-sequence
+    eos = free.token_ids[5]  # pretend the 6th generated token (mid-round) is end-of-sequence
     llm.target.eos_token_ids = frozenset({eos})
-    out = llm.generate("the quick", SamplingParams(max_tokens=20))[0]
+    out = llm.generate("the quick", SamplingParams(max_tokens=20), speculative=speculative)[0]
     assert out.finish_reason == "stop"
     assert out.token_ids == free.token_ids[: free.token_ids.index(eos) + 1]
+    assert out.stats.generated_tokens == len(out.token_ids)
 
 
 def test_chat_uses_template_and_sampling_is_seeded(llm):
@@ -143,6 +148,23 @@ def test_detokenizer_holds_back_partial_characters_and_stop_prefixes(tiny_tokeni
     deltas = [detok.add([i]) for i in ids]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) + detok.flush() == text
+    # a request that ends in the middle of a character still returns all of its text
+    cut = next(i for i in range(1, len(ids)) if tiny_tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    detok = IncrementalDetokenizer(tiny_tokenizer)
+    partial = detok.add(ids[:cut])
+    assert partial + detok.flush() == tiny_tokenizer.decode(ids[:cut])
     detok = IncrementalDetokenizer(tiny_tokenizer, stop=["🙂 e"])
     out = "".join(detok.add([i]) for i in ids) + detok.flush()
     assert out == "naïve café 日本語 " and detok.stopped
+
+
+def test_acceptance_by_position_with_mixed_draft_lengths():
+    from speclm.stats import RequestStats
+
+    stats = RequestStats()
+    for drafted, accepted in [(1, 1), (2, 0), (2, 2), (3, 1)]:
+        stats.record_round(drafted, accepted)
+    # position 0 judged 4 times, accepted 3; position 1 judged in rounds 3 and 4, accepted once;
+    # position 2 reached only in round 4 but never judged (position 1 was rejected)
+    assert stats.acceptance_by_position == [0.75, 0.5, 0.0]
+    assert stats.judged_per_position == [4, 2, 0]

@@ -99,3 +99,19 @@ def test_help_runs_as_module():
     out = subprocess.run([sys.executable, "-m", "speclm", "generate", "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--draft-max" in out.stdout and "--compare" in out.stdout
+
+
+def test_non_utf8_prompt_file(capsys, model_dirs, tmp_path):
+    prompt = tmp_path / "latin1.txt"
+    prompt.write_bytes("café".encode("latin-1"))
+    code, _, err = cli(capsys, "generate", "-f", str(prompt), "--model", str(model_dirs["target"]))
+    assert code == 2 and "not UTF-8" in err
+
+
+def test_chat_survives_a_turn_that_outgrows_the_context(capsys, model_dirs, monkeypatch):
+    long_turn = "the quick brown fox jumps over the lazy dog " * 10
+    code, out, err = cli(capsys, "chat", "--model", str(model_dirs["short"]), "--dtype", "float64",
+                         "-n", "4", stdin=f"{long_turn}\nhi\n/exit\n", monkeypatch=monkeypatch)
+    assert code == 0
+    assert "context" in err and "Traceback" not in err
+    assert out.strip()  # the second, short turn was answered

@@ -151,7 +151,11 @@ class LLM:
             for m in messages
         ):
             raise SpeclmError("chat messages must be a non-empty list of {'role': ..., 'content': ...}")
-        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        try:
+            return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                      tokenize=False)
+        except Exception as exc:  # jinja2 raises TemplateError subclasses with the template's words
+            raise SpeclmError(f"the chat template rejected these messages: {exc}") from None
 
     # -- generation ------------------------------------------------------------------------
     def stream(
@@ -179,13 +183,17 @@ class LLM:
             draft_length=spec.draft_length if spec is not None else None,
             stats=stats, generator=params.make_generator(self.target.device),
         )
+        delivered = 0  # tokens handed to the caller
         try:
             for step in steps:
                 text, kept = self._detokenize(detok, step.tokens, bool(params.stop))
+                delivered += len(kept)
                 finish = "stop" if detok.stopped else step.finish_reason
                 if finish is not None:
                     steps.close()  # finalise stats before the last chunk goes out
                     text += detok.flush()
+                    finish = "stop" if detok.stopped else finish  # a stop string in the tail
+                    stats.generated_tokens = delivered  # none past a stop string
                 yield StreamChunk(text, kept, finish, stats)
                 if finish is not None:
                     return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -140,10 +141,15 @@ def _read_prompt(args: argparse.Namespace) -> str:
                 text = fh.read()
         except OSError as exc:
             raise SpeclmError(f"cannot read prompt file {args.file!r}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise SpeclmError(f"prompt file {args.file!r} is not UTF-8 text") from None
     elif args.prompt is None or args.prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise SpeclmError("no prompt: give one as an argument, with --file, or on stdin")
-        text = sys.stdin.read()
+        try:
+            text = sys.stdin.read()
+        except UnicodeDecodeError:
+            raise SpeclmError("the prompt on stdin is not UTF-8 text") from None
     else:
         text = args.prompt
     if not text.strip():
@@ -192,8 +198,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             result["compare"] = {"plain_stats": plain.stats.to_dict(), "speedup": speedup,
                                  "identical": identical}
         else:
-            verdict = ("identical" if identical else "DIFFERENT") if params.greedy else \
-                "differ by design when sampling (same distribution, different draws)"
+            if not params.greedy:
+                verdict = "differ by design when sampling (same distribution, different draws)"
+            elif identical:
+                verdict = "identical"
+            else:
+                at = next((i for i, (a, b) in enumerate(zip(ids, plain_ids)) if a != b),
+                          min(len(ids), len(plain_ids)))
+                verdict = (f"DIFFERENT from generated token {at} (a bug, or a float rounding "
+                           "near-tie between the top two tokens; try --dtype float64)")
             print(f"plain decoding: {plain.stats.generated_tokens} tokens, "
                   f"{plain.stats.tokens_per_s:.1f} tok/s\nspeedup: {speedup:.2f}x; outputs {verdict}",
                   file=sys.stderr)
@@ -229,15 +242,20 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         if command == "/stats":
             print(last.summary() if last else "no answer yet", file=sys.stderr)
             continue
-        history.append({"role": "user", "content": line})
-        answer = []
-        for chunk in llm.stream(system + history, params):
-            answer.append(chunk.text)
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
+        answer, chunk = [], None
+        try:
+            for chunk in llm.stream(system + history + [{"role": "user", "content": line}], params):
+                answer.append(chunk.text)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+        except SpeclmError as exc:  # e.g. the conversation outgrew the context: keep the session
+            print(f"\nspeclm: error: {exc} (/reset starts over)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops this answer, not the session
+            print("\n[answer interrupted]", file=sys.stderr)
         sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(answer)})
-        last = chunk.stats
+        history += [{"role": "user", "content": line}, {"role": "assistant", "content": "".join(answer)}]
+        last = chunk.stats if chunk is not None else last
         if args.stats:
             print(last.summary(), file=sys.stderr)
 
@@ -253,7 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\ninterrupted after {time.perf_counter() - start:.1f} s", file=sys.stderr)
         return 130
-    except BrokenPipeError:
+    except BrokenPipeError:  # e.g. piped into `head`: stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
 
 

@@ -30,14 +30,21 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self.token_ids.extend(new_ids)
+        self._read_tokens(final=False)
+        return self._release(final=False)
+
+    def _read_tokens(self, final: bool) -> None:
+        """Move the unread tokens' text into ``self.text``; unless ``final``, wait while it
+        ends in an incomplete multi-byte character (decoded as U+FFFD)."""
+        if self._read == len(self.token_ids):
+            return
         prefix_text = self._decode(self.token_ids[self._prefix : self._read])
         full = self._decode(self.token_ids[self._prefix :])
-        if full.endswith("\ufffd"):  # a multi-byte character is not complete yet
-            return self._release(final=False)
+        if full.endswith("\ufffd") and not final:
+            return
         self.text += full[len(prefix_text) :]
         self._read = len(self.token_ids)
         self._prefix = max(0, self._read - _WINDOW)
-        return self._release(final=False)
 
     def _release(self, final: bool) -> str:
         if self.stop:
@@ -65,5 +72,7 @@ class IncrementalDetokenizer:
         return longest
 
     def flush(self) -> str:
-        """The request ended: release whatever was held back."""
+        """The request ended: release whatever was held back (an unfinished character too)."""
+        if not self.stopped:
+            self._read_tokens(final=True)
         return self._release(final=True)

@@ -12,7 +12,10 @@ t_draft are moving averages of measured times. On a CPU a multi-token verify cos
 one-token step (the reason K == 0 is an option), while on a GPU t_verify ~ t_plain. When K == 0
 wins, a draft is still tried every ``probe_every`` rounds so the estimate can recover.
 
-``draft_min`` follows llama.cpp: a draft shorter than it is not worth a verify and is dropped.
+``draft_min`` follows llama.cpp: a draft shorter than it is not worth a verify and is dropped,
+but only when the draft is a function of the context (greedy drafting, prompt lookup). A sampled
+draft's length depends on its own random draws (through ``p_min``), and dropping short ones
+would bias which tokens reach the verifier, so those are always verified.
 """
 
 from __future__ import annotations

@@ -87,10 +87,16 @@ def generate_tokens(
             t0 = time.perf_counter()
             budget = min(params.max_tokens - generated, target.max_context - n) - 1
             k_max = min(policy.next_k(), budget) if policy is not None else 0
-            draft = Draft.empty()
-            if k_max > 0:
+            draft, proposed = Draft.empty(), k_max > 0
+            if proposed:
                 draft = drafter.propose(DraftContext(tokens[:n], k_max, params, gen))
-                if draft.num_tokens < config.draft_min:
+                if draft.num_tokens > k_max:
+                    raise RuntimeError(f"{type(drafter).__name__} proposed {draft.num_tokens} "
+                                       f"tokens, more than the {k_max} it was asked for")
+                # Dropping a short draft is only lossless when the draft is a function of the
+                # context (greedy or prompt lookup). A sampled draft's length depends on its own
+                # draws, so dropping it would skew the accepted tokens: verify it anyway.
+                if draft.num_tokens < config.draft_min and draft.q_draft is None:
                     draft = Draft.empty()
                 _sync(target.device)
             k = draft.num_tokens
@@ -102,7 +108,7 @@ def generate_tokens(
             result = torch.cat([verdict.num_accepted.view(1), verdict.tokens]).tolist()  # sync
             num_accepted, emitted = result[0], result[1 : result[0] + 2]
             target.rollback(n + num_accepted)
-            if drafter is not None:
+            if proposed:
                 drafter.on_verified(num_accepted, emitted)
             t2 = time.perf_counter()
             stats.draft_time_s += t1 - t0

@@ -32,12 +32,16 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
         self.validate()
 
     def validate(self) -> None:
         """Raise :class:`SpeclmError` naming the first invalid field."""
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise SpeclmError(f"seed must be in [0, 2**63), got {self.seed}")
         if not (self.temperature >= 0):  # also rejects NaN
             raise SpeclmError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -96,4 +100,5 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     Uses the exponential-race trick: argmax(p / E) with E ~ Exp(1) is a draw from p.
     """
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    return torch.argmax(probs / race, dim=-1)
+    # a zero-probability token must never win, even if a draw is exactly 0 (0 / 0 = nan)
+    return torch.argmax(torch.where(probs > 0, probs / race, -1.0), dim=-1)

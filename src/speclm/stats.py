@@ -12,7 +12,8 @@ class RequestStats:
     target_forwards: int = 0  # decode-time target forwards (prefill excluded)
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    drafted_per_position: list[int] = field(default_factory=list)  # [K_max] drafts reaching i
+    judged_per_position: list[int] = field(default_factory=list)  # [K_max] rounds in which
+    #   draft position i was judged (drafted, and every earlier position accepted)
     accepted_per_position: list[int] = field(default_factory=list)  # [K_max] accepted at i
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
@@ -24,12 +25,12 @@ class RequestStats:
         self.target_forwards += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
-        grow = drafted - len(self.drafted_per_position)
+        grow = drafted - len(self.judged_per_position)
         if grow > 0:
-            self.drafted_per_position.extend([0] * grow)
+            self.judged_per_position.extend([0] * grow)
             self.accepted_per_position.extend([0] * grow)
-        for i in range(drafted):
-            self.drafted_per_position[i] += 1
+        for i in range(min(drafted, accepted + 1)):  # positions the verifier looked at
+            self.judged_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
 
@@ -45,14 +46,8 @@ class RequestStats:
 
     @property
     def acceptance_by_position(self) -> list[float]:
-        """P(draft token i accepted | draft reached position i and position i-1 was accepted)."""
-        rates = []
-        reached = self.drafted_per_position
-        for i, n in enumerate(reached):
-            prior = self.accepted_per_position[i - 1] if i else n
-            eligible = min(n, prior)
-            rates.append(self.accepted_per_position[i] / eligible if eligible else 0.0)
-        return rates
+        """P(draft token i accepted | every earlier draft token was accepted)."""
+        return [a / j if j else 0.0 for a, j in zip(self.accepted_per_position, self.judged_per_position)]
 
     @property
     def decode_time_s(self) -> float:
@@ -80,7 +75,7 @@ class RequestStats:
             f"(alpha {self.alpha:.2f})",
             f"time: target {self.target_time_s:.2f} s, draft {self.draft_time_s:.2f} s",
         ]
-        if self.drafted_per_position:
+        if self.judged_per_position:
             rates = " ".join(f"{r:.2f}" for r in self.acceptance_by_position)
             lines.append(f"acceptance by draft position: {rates}")
         return "\n".join(lines)

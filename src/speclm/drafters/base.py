@@ -60,5 +60,5 @@ class Drafter(Protocol):
         """Propose up to ``ctx.max_tokens`` tokens continuing ``ctx.token_ids``."""
 
     def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
-        """The last draft's first ``num_accepted`` tokens were accepted; ``emitted`` are the
+        """Called after each round in which ``propose`` was called: the draft's first ``num_accepted`` tokens were accepted; ``emitted`` are the
         tokens committed this round (accepted ones, then the recovered or bonus token)."""

@@ -48,9 +48,16 @@ class DraftModelDrafter:
         self._fed_drafts = 0  # draft tokens of the last round that went through the draft model
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
+        """Prefill the draft with the prompt (all but the last token, like the target), so the
+        cost is counted as prefill rather than drafting."""
         self.model.reset()
         self._synced = 0
+        self._round_start = 0
         self._fed_drafts = 0
+        usable = min(prompt_ids.shape[0] - 1, self.model.max_context - 1)
+        if usable > 0:
+            self.model.forward(prompt_ids[:usable], 0)
+            self._synced = usable
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """[1, V_draft] -> [1, V_target]: padded embedding rows differ between checkpoints."""
@@ -62,8 +69,10 @@ class DraftModelDrafter:
     def propose(self, ctx: DraftContext) -> Draft:
         ids = ctx.token_ids  # [n]
         total = ids.shape[0]
+        # the draft runs positions up to total + K - 2; it may have a shorter context
+        max_tokens = min(ctx.max_tokens, self.model.max_context - total + 1)
         self._fed_drafts = 0
-        if ctx.max_tokens <= 0:
+        if max_tokens <= 0:
             self._round_start = self._synced  # nothing fed: on_verified keeps the cache as is
             return Draft.empty(ids.device)
         self._round_start = total
@@ -73,7 +82,7 @@ class DraftModelDrafter:
         self._synced = total
         tokens: list[torch.Tensor] = []  # each [1]
         q_rows: list[torch.Tensor] = []  # each [1, V]; sampling only (greedy needs no q)
-        for i in range(ctx.max_tokens):
+        for i in range(max_tokens):
             logits = self._fit_vocab(logits)  # [1, V]
             if params.greedy:
                 q, token = None, logits.argmax(-1)  # [1]
@@ -87,7 +96,7 @@ class DraftModelDrafter:
             tokens.append(token)
             if q is not None:
                 q_rows.append(q)
-            if i + 1 < ctx.max_tokens:
+            if i + 1 < max_tokens:
                 logits = self.model.forward(token, total + i).logits
                 self._fed_drafts += 1
         if not tokens:

@@ -22,8 +22,13 @@ class KVCache:
 
     def __init__(self, model: PreTrainedModel) -> None:
         self._config = model.config
-        self.hf = DynamicCache(config=self._config)
-        self.length = 0
+        self.reset()
+
+    def _new_cache(self) -> DynamicCache:
+        cache = DynamicCache(config=self._config)
+        # sliding-window layers drop old states unless told to keep them for rollback
+        cache.activate_past_recording()
+        return cache
 
     def check_append(self, start_pos: int) -> None:
         if start_pos != self.length:
@@ -40,7 +45,7 @@ class KVCache:
             self.length = length
 
     def reset(self) -> None:
-        self.hf = DynamicCache(config=self._config)
+        self.hf = self._new_cache()
         self.length = 0
 
 
@@ -59,7 +64,7 @@ class HFCausalLM:
         if not self._cache.hf.is_croppable:
             raise SpeclmError(
                 f"{type(model).__name__} uses a cache that cannot be rolled back "
-                "(sliding-window or recurrent layers); speculative decoding needs rollback"
+                "(recurrent or linear-attention layers); speculative decoding needs rollback"
             )
 
     @property

@@ -57,6 +57,9 @@ def resolve_device(device: str | None) -> torch.device:
         raise SpeclmError(f"device {device!r} requested but this PyTorch build sees no CUDA GPU")
     if dev.type not in ("cpu", "cuda"):
         raise SpeclmError(f"unsupported device {device!r}; use cpu, cuda, cuda:N or auto")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SpeclmError(f"device {device!r} requested but only {torch.cuda.device_count()} "
+                          "CUDA device(s) are visible")
     return dev
 
 
@@ -111,12 +114,19 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    except OSError as exc:
+        raise SpeclmError(f"cannot write the model cache under {out.parent} ({exc.strerror}); "
+                          "set SPECLM_CACHE_DIR to a writable folder") from None
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, out)  # atomic: a crash never leaves a half-written cache behind
+    except OSError as exc:
+        if not (out / "config.json").is_file():  # else another process finished it first
+            raise SpeclmError(f"cannot write the model cache at {out}: {exc.strerror}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
