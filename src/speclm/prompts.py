@@ -34,18 +34,41 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
             turns = row["turns"] if "turns" in row else [row["prompt"]]
         except (json.JSONDecodeError, KeyError, TypeError):
             raise SpeclmError(f"{path}:{number}: expected a JSON object with 'turns' or 'prompt'") from None
-        category = row.get("category", "default")
-        if category in MT_BENCH_CATEGORIES:
-            category = "multi_turn"
-        rows.append({"id": row.get("question_id", number), "category": category, "turns": turns})
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
+            raise SpeclmError(f"{path}:{number}: 'turns' must be a non-empty list of non-empty strings")
+        subcategory = str(row.get("category", "default"))
+        category = "multi_turn" if subcategory in MT_BENCH_CATEGORIES else subcategory
+        rows.append({"id": row.get("question_id", number), "category": category,
+                     "subcategory": subcategory, "turns": turns})
     return rows
 
 
-def spread(rows: list[dict], num: int) -> list[dict]:
-    """Pick ``num`` prompts round-robin over categories, in file order within each."""
+def per_category(rows: list[dict], num: int, categories: list[str] | None = None) -> list[dict]:
+    """``num`` prompts of each category (optionally only ``categories``); within a category,
+    round-robin over sub-categories (MT-bench's writing, roleplay, ...), in file order."""
+    if num < 1:
+        raise SpeclmError(f"prompts per category must be >= 1, got {num}")
+    if categories:
+        unknown = sorted(set(categories) - {r["category"] for r in rows})
+        if unknown:
+            known = ", ".join(sorted({r["category"] for r in rows}))
+            raise SpeclmError(f"no prompts in categor{'y' if len(unknown) == 1 else 'ies'} "
+                              f"{', '.join(unknown)}; the file has: {known}")
+        rows = [r for r in rows if r["category"] in categories]
+    if not rows:
+        raise SpeclmError("the prompt selection is empty")
+    picked = []
+    for category in dict.fromkeys(r["category"] for r in rows):  # first-seen order
+        members = [r for r in rows if r["category"] == category]
+        picked += spread(members, num, key="subcategory")
+    return picked
+
+
+def spread(rows: list[dict], num: int, key: str = "category") -> list[dict]:
+    """Pick ``num`` prompts round-robin over ``key`` (category), in file order within each."""
     by_cat: dict[str, list[dict]] = {}
     for row in rows:
-        by_cat.setdefault(row["category"], []).append(row)
+        by_cat.setdefault(row.get(key, ""), []).append(row)
     picked, i = [], 0
     while len(picked) < num and any(i < len(v) for v in by_cat.values()):
         picked += [v[i] for v in by_cat.values() if i < len(v)][: num - len(picked)]

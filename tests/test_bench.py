@@ -1,0 +1,92 @@
+"""speclm bench: method specs, the bound, the oracle drafter, outputs, and bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from speclm import SpeclmError
+from speclm.bench import OracleDrafter, leviathan_bound, parse_method
+from speclm.cli import main
+from speclm.draft_length import DraftLengthConfig
+from speclm.engine import generate_tokens
+from speclm.sampling import SamplingParams
+from speclm.stats import RequestStats
+
+from .conftest import backend, tiny_model
+
+
+def test_method_specs():
+    spec = parse_method("ngram:k=8,min=1")
+    assert (spec.name, spec.k, spec.options["min"], spec.options["max"]) == ("ngram", 8, 1, 3)
+    assert parse_method("hf-lookup").is_peer and not parse_method("plain").is_peer
+    assert parse_method("oracle:a=0.9,k=2").options["a"] == 0.9
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("medusa", "unknown method"), ("ngram:k", "malformed"), ("ngram:q=3", "malformed"),
+    ("ngram:k=x", "must be a int"), ("draft", "needs path"), ("oracle:a=1.5", "a must be"),
+    ("ngram:k=0", "k must be"), ("ngram:min=3,max=2", "min <= max"),
+])
+def test_bad_method_specs(text, needle):
+    with pytest.raises(SpeclmError, match=needle):
+        parse_method(text)
+
+
+def test_leviathan_bound():
+    assert leviathan_bound(0.0, 4, 0.0) == pytest.approx(1.0)
+    assert leviathan_bound(1.0, 4, 0.0) == pytest.approx(5.0)
+    assert leviathan_bound(0.8, 4, 0.05) == pytest.approx((1 - 0.8**5) / 0.2 / 1.2)
+
+
+def test_oracle_controls_acceptance_and_stays_lossless():
+    model = tiny_model(64, seed=3)
+    lm = backend(model)
+    greedy = SamplingParams(max_tokens=300, ignore_eos=True)
+    prompt = torch.tensor([1, 2, 3])
+    plain = [t for s in generate_tokens(lm, prompt, greedy) for t in s.tokens]
+    for a in (0.5, 0.9):
+        oracle = OracleDrafter(a, 64, seed=1)
+        oracle.set_continuation(3, plain)
+        stats = RequestStats()
+        out = [t for s in generate_tokens(lm, prompt, greedy, drafter=oracle,
+                                          draft_length=DraftLengthConfig(4), stats=stats) for t in s.tokens]
+        assert out == plain
+        alpha_iid = sum(stats.accepted_per_position) / sum(stats.judged_per_position)
+        assert abs(alpha_iid - a) < 0.08  # hundreds of judged tokens
+
+
+def test_bench_end_to_end_writes_outputs(capsys, model_dirs, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"category": "echo", "turns": ["the quick brown fox", "again please"]}\n'
+                       '{"category": "code", "prompt": "def add(a, b):"}\n')
+    target = str(model_dirs["target"])
+    code = main(["bench", "--model", target, "--dtype", "float64", "--prompts", str(prompts),
+                 "--max-new-tokens", "10", "--method", "ngram:k=4", "--method", f"draft:path={target},k=3",
+                 "--method", "oracle:a=0.8,k=3", "--method", "hf", "--method", "hf-lookup",
+                 "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0 and "| ngram:k=4 | all | 3 |" in out and "MISMATCH" not in out
+    result = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert {"environment", "meta", "summary", "rows"} <= set(result)
+    assert len(result["rows"]) == 3 * 6  # two turns + one prompt, six methods (plain added)
+    assert all(r["identical"] for r in result["rows"])  # greedy: every method equals plain
+    selfdraft = result["summary"][f"draft:path={target},k=3"]["all"]
+    assert selfdraft["alpha"] == 1.0 and selfdraft["bound"] == pytest.approx(4 / (1 + 3 * selfdraft["c"]))
+    for name in ("results.md", "speedup_by_category.png", "acceptance_by_position.png", "measured_vs_bound.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--prompts", "/nonexistent.jsonl"], "cannot read prompts"),
+    (["--method", "eagle"], "unknown method"),
+    (["--categories", "poetry"], "no prompts in category poetry"),
+    (["--method", "oracle:a=0.5", "--temperature", "0.7"], "greedy"),
+])
+def test_bench_bad_input_fails_before_loading_a_model(capsys, argv, needle):
+    # the model path does not exist: reaching the model loader would give another error
+    code = main(["bench", "--model", "/no/such/model", *argv])
+    err = capsys.readouterr().err
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
