@@ -90,3 +90,62 @@ def test_bench_bad_input_fails_before_loading_a_model(capsys, argv, needle):
     code = main(["bench", "--model", "/no/such/model", *argv])
     err = capsys.readouterr().err
     assert code == 2 and needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_bound_with_verify_cost():
+    assert leviathan_bound(0.8, 4, 0.05, v=2.0) == pytest.approx((1 - 0.8**5) / 0.2 / 2.2)
+
+
+def test_oracle_sweep_expands_the_grid_and_reports_it(capsys, model_dirs):
+    code = main(["bench", "--model", str(model_dirs["target"]), "--dtype", "float64",
+                 "--per-category", "1", "--categories", "qa", "--max-new-tokens", "12", "--no-warmup",
+                 "--oracle-sweep", "--oracle-a", "0.5,1", "--oracle-k", "2,3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    sweep = out.split("Oracle sweep")[1]
+    for a, k in (("0.5", 2), ("0.5", 3), ("1", 2), ("1", 3)):
+        assert f"| {a} | {k} |" in sweep
+    # a = 1: every drafted token accepted, tau = K + 1 until the budget clips the last round
+    assert "| oracle:a=1,k=3 | all |" in out and "MISMATCH" not in out
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--oracle-sweep", "--oracle-a", "x"], "--oracle-a takes"),
+    (["--oracle-sweep", "--oracle-k", ","], "--oracle-k is empty"),
+])
+def test_bad_sweep_flags(capsys, argv, needle):
+    assert main(["bench", "--model", "/no/such/model", *argv]) == 2
+    assert needle in capsys.readouterr().err
+
+
+def test_random_model_from_a_config_file(tmp_path, model_dirs):
+    from speclm.models import load_model
+
+    loaded = load_model(f"random:{model_dirs['target'] / 'config.json'}", dtype="float64")
+    lm = loaded.backend
+    assert lm.eos_token_ids == frozenset()  # random weights run to the token budget
+    assert lm.forward(torch.tensor([1, 2, 3]), 0).logits.shape == (1, lm.vocab_size)
+    again = load_model(f"random:{model_dirs['target'] / 'config.json'}", dtype="float64").backend
+    assert torch.equal(next(lm.model.parameters()), next(again.model.parameters()))  # seeded
+    with pytest.raises(SpeclmError, match="not a preset"):
+        load_model("random:no-such-preset")
+
+
+def test_mismatch_diagnosis_tells_a_bug_from_a_tie(model_dirs):
+    from speclm import LLM
+    from speclm.bench.runner import diagnose_mismatch
+
+    llm = LLM(str(model_dirs["target"]), dtype="float64")
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    plain = llm.chat(messages, SamplingParams(max_tokens=6, ignore_eos=True), speculative=False).token_ids
+    wrong = plain[:3] + [(plain[3] + 1) % llm.target.vocab_size] + plain[4:]
+    found = diagnose_mismatch(llm, messages, plain, wrong)
+    assert found["position"] == 3 and found["margin"] > 0 and found["verdict"].startswith("BUG")
+    twin = wrong[3]
+    with torch.no_grad():  # give the other token the same LM-head row: an exact tie everywhere
+        head = llm.target.model.get_output_embeddings().weight
+        head[twin] = head[plain[3]]
+    tie = diagnose_mismatch(llm, messages, plain, wrong)
+    assert tie["margin"] == 0 and tie["verdict"].startswith("numerical near-tie")
+    short = diagnose_mismatch(llm, messages, plain, plain[:4])
+    assert short["position"] == 4 and "lengths differ" in short["verdict"]

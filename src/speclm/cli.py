@@ -11,6 +11,7 @@ import os
 import sys
 import time
 
+from .bench import command as bench_command
 from .errors import SpeclmError
 from .sampling import SamplingParams
 
@@ -97,35 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print one JSON object (text and stats) instead of streaming")
     gen.add_argument("--quiet", "-q", action="store_true", help="do not print stats")
     _add_model_flags(gen)
-    bench = sub.add_parser(
-        "bench", help="benchmark methods side by side on a prompt set (Spec-Bench format)",
-        description="Run plain decoding, speclm's drafters and transformers' own generate() on the "
-                    "same prompts, interleaved, and report speedup, tokens/s, alpha, tau, "
-                    "acceptance by draft position, draft cost c, the Leviathan bound and "
-                    "efficiency per category; greedy outputs are checked against plain decoding.",
-        epilog="Method specs: plain | ngram[:k=10,min=2,max=3,adaptive=0] | "
-               "draft:path=PATH[,k=5,p_min=0] | oracle:a=0.7[,k=4] | hf | hf-lookup[:k=10] | "
-               "hf-assisted:path=PATH[,k=5] | hf-early-exit[:layers=N,k=5]")
-    bench.add_argument("--prompts", help="JSONL of prompts ({'turns': [...], 'category': ...} or "
-                                         "{'prompt': ...}); default: speclm's own small set")
-    bench.add_argument("--per-category", type=_positive(int), default=5,
-                       help="prompts per category (default: %(default)s)")
-    bench.add_argument("--categories", help="comma-separated categories to keep")
-    bench.add_argument("--first-turn-only", action="store_true",
-                       help="skip the later turns of multi-turn conversations")
-    bench.add_argument("--max-new-tokens", type=_positive(int), default=128,
-                       help="token budget per request, the same for every method (default: %(default)s)")
-    bench.add_argument("--method", action="append", default=[],
-                       help="a method spec (repeatable; default: plain, ngram, hf, hf-lookup)")
-    bench.add_argument("--temperature", type=_positive(float), default=0.0,
-                       help="0 = greedy with identity checks (default); >0 samples")
-    bench.add_argument("--seed", type=_positive(int), default=0, help="sampling seed (default: 0)")
-    bench.add_argument("--out", help="write results.json, results.md and PNG plots here")
-    bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
-    g = bench.add_argument_group("model")
-    g.add_argument("--model", "-m", default="default", help="target model (default: %(default)s)")
-    g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
-    g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, float64 or auto")
+    bench_command.add_parser(sub, _positive)
     chat = sub.add_parser("chat", help="interactive multi-turn chat, streaming",
                           description="Chat with the model. Commands: /reset, /stats, /exit.")
     chat.add_argument("--stats", action="store_true", help="print stats after every answer")
@@ -289,65 +262,13 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print(last.summary(), file=sys.stderr)
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
-    from .bench.methods import parse_method
-    from .prompts import load_prompts, per_category
-
-    # everything the user typed is checked before a model is loaded
-    specs = [parse_method(m) for m in (args.method or ["plain", "ngram", "hf", "hf-lookup"])]
-    if len({s.label for s in specs}) != len(specs):
-        raise SpeclmError("the same method spec is given twice")
-    if args.temperature > 0 and any(s.name == "oracle" for s in specs):
-        raise SpeclmError("the oracle method replays greedy output: use it with --temperature 0")
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed)
-    rows = load_prompts(args.prompts)
-    categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
-    prompts = per_category(rows, args.per_category, categories)
-    if args.first_turn_only:
-        prompts = [dict(p, turns=p["turns"][:1]) for p in prompts]
-    out_dir = Path(args.out) if args.out else None
-    if out_dir is not None:
-        try:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise SpeclmError(f"cannot create output folder {args.out!r}: {exc.strerror}") from None
-
-    from .api import LLM
-    from .bench.report import markdown, mismatches, summarize_all, write_outputs
-    from .bench.runner import run_bench
-
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    results = run_bench(llm, specs, prompts, params, warmup=not args.no_warmup)
-    summary = summarize_all(results, specs)
-    mode = "greedy" if params.greedy else f"temperature {params.temperature}"
-    header = (f"speclm bench: {len(prompts)} prompts ({', '.join(sorted({p['category'] for p in prompts}))}), "
-              f"{sum(len(p['turns']) for p in prompts)} turns, {mode}, max {params.max_tokens} new tokens, "
-              f"model {args.model}. Medians over requests; tok/s includes prefill.")
-    table = markdown(summary, header)
-    print(table)
-    bad = mismatches(results)
-    for line in bad:
-        print(line)
-    for r in results:
-        if r.get("error"):
-            print(f"FAILED: {r['method']} on question {r['prompt_id']} turn {r['turn']}: {r['error']}")
-    if out_dir is not None:
-        meta = dict(command=["speclm", *args.argv], params={k: v for k, v in vars(args).items() if k != "argv"},
-                    model_path=str(llm.model_path), device=str(llm.target.device), dtype=str(llm.target.dtype))
-        for path in write_outputs(out_dir, results, summary, table, meta):
-            print(f"wrote {path}", file=sys.stderr)
-    return 1 if bad else 0  # a greedy mismatch is a bug (or a float near-tie): make it visible
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = list(argv)
     start = time.perf_counter()
     try:
-        command = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench}[args.command]
+        command = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": bench_command.run}[args.command]
         return command(args)
     except SpeclmError as exc:
         print(f"speclm: error: {exc}", file=sys.stderr)

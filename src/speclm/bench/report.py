@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .methods import MethodSpec
 from .metrics import leviathan_bound, summarize
+from .plots import plot
 
 
 def _plain_step_s(rows: list[dict]) -> float | None:
@@ -38,8 +39,10 @@ def summarize_all(rows: list[dict], specs: list[MethodSpec]) -> dict:
             if "alpha_iid" in fig and k_of.get(label) and "c" in fig:
                 fig["k"] = k_of[label]
                 fig["bound"] = leviathan_bound(fig["alpha_iid"], fig["k"], fig["c"])
+                fig["bound_v"] = leviathan_bound(fig["alpha_iid"], fig["k"], fig["c"], fig["v"])
                 if fig.get("decode_speedup"):  # the bound is about decoding: compare like with like
                     fig["efficiency"] = fig["decode_speedup"] / fig["bound"]
+                    fig["efficiency_v"] = fig["decode_speedup"] / fig["bound_v"]
             out[label][cat] = fig
     return out
 
@@ -48,20 +51,42 @@ def _fmt(value, pattern: str = "{:.2f}", empty: str = "-") -> str:
     return empty if value is None else pattern.format(value)
 
 
-def markdown(summary: dict, header: str) -> str:
+_COLUMNS = [  # (header, key, format)
+    ("requests", "requests", "{}"), ("median tok/s", "tok_s", "{:.1f}"),
+    ("median speedup", "speedup", "{:.2f}x"), ("decode speedup", "decode_speedup", "{:.2f}x"),
+    ("alpha", "alpha", "{:.2f}"), ("alpha/token", "alpha_iid", "{:.2f}"), ("tau", "tau", "{:.2f}"),
+    ("c", "c", "{:.3f}"), ("v", "v", "{:.2f}"), ("bound", "bound", "{:.2f}x"),
+    ("efficiency", "efficiency", "{:.0%}"), ("bound (v)", "bound_v", "{:.2f}x"),
+    ("efficiency (v)", "efficiency_v", "{:.0%}"),
+]
+_ORACLE_COLUMNS = [("alpha/token", "alpha_iid", "{:.2f}"), ("tau", "tau", "{:.2f}"),
+                   ("decode speedup", "decode_speedup", "{:.2f}x"), ("v", "v", "{:.2f}"),
+                   ("bound", "bound", "{:.2f}x"), ("efficiency", "efficiency", "{:.0%}"),
+                   ("bound (v)", "bound_v", "{:.2f}x"), ("efficiency (v)", "efficiency_v", "{:.0%}")]
+LEGEND = (
+    "Columns: median speedup = median over requests of tok/s ÷ plain's tok/s on the same request, "
+    "prefill included; decode speedup = pooled decode tokens/s ÷ plain's, prefill excluded "
+    "(speclm methods only); alpha = accepted ÷ drafted; alpha/token = P(accept | reached), the "
+    "i.i.d. rate the bound assumes; tau = tokens per target forward; c = draft time per token ÷ "
+    "plain's time per step; v = target time per speculative forward ÷ plain's time per step; "
+    "bound = (1 − a^(K+1)) / ((1 − a)(cK + 1)) (Leviathan et al.) with a = alpha/token and the "
+    "configured K; bound (v) = the same with cK + v, the verify's measured cost; efficiency = "
+    "decode speedup ÷ bound.")
+
+
+def _cells(fig: dict, columns: list) -> str:
+    return " | ".join(_fmt(fig.get(key), pattern) for _, key, pattern in columns)
+
+
+def markdown(summary: dict, header: str, specs: list[MethodSpec] | None = None) -> str:
+    """The terminal/results.md report: per method and category, acceptance by position, oracle sweep."""
     lines = [header, "",
-             "| method | category | requests | median tok/s | median speedup | decode speedup "
-             "| alpha | alpha/token | tau | c | bound | efficiency | identical | errors |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| method | category | " + " | ".join(h for h, _, _ in _COLUMNS) + " | identical | errors |",
+             "|---" * (len(_COLUMNS) + 4) + "|"]
     for label, by_cat in summary.items():
         for cat, f in by_cat.items():
             ident = f"{f['identical']}/{f['checked']}" if f.get("checked") else "-"
-            lines.append(
-                f"| {label} | {cat} | {f['requests']} | {_fmt(f.get('tok_s'), '{:.1f}')} "
-                f"| {_fmt(f.get('speedup'), '{:.2f}x')} | {_fmt(f.get('decode_speedup'), '{:.2f}x')} "
-                f"| {_fmt(f.get('alpha'))} | {_fmt(f.get('alpha_iid'))} | {_fmt(f.get('tau'))} "
-                f"| {_fmt(f.get('c'), '{:.3f}')} | {_fmt(f.get('bound'), '{:.2f}x')} "
-                f"| {_fmt(f.get('efficiency'), '{:.0%}')} | {ident} | {f['errors']} |")
+            lines.append(f"| {label} | {cat} | {_cells(f, _COLUMNS)} | {ident} | {f['errors']} |")
     lines += ["", "Acceptance by draft position (all categories):", "",
               "| method | " + " | ".join(str(i) for i in range(1, 11)) + " |",
               "|---|" + "---|" * 10]
@@ -70,26 +95,28 @@ def markdown(summary: dict, header: str) -> str:
         if rates:
             cells = [f"{r:.2f}" for r in rates[:10]] + [""] * (10 - min(10, len(rates)))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    lines += ["", "Columns: median speedup = median over requests of tok/s ÷ plain's tok/s on the same "
-              "request, prefill included; decode speedup = pooled decode tokens/s ÷ plain's, "
-              "prefill excluded (speclm methods only); alpha = accepted ÷ drafted; alpha/token = "
-              "P(accept | reached), the i.i.d. rate the bound assumes; c = draft time per token ÷ "
-              "plain's target time per step; bound = (1 − a^(K+1)) / ((1 − a)(cK + 1)) with "
-              "a = alpha/token and the configured K; efficiency = decode speedup ÷ bound."]
+    oracles = [s for s in specs or [] if s.name == "oracle" and s.label in summary]
+    if oracles:
+        lines += ["", "Oracle sweep (acceptance controlled exactly; drafting costs nothing, so "
+                  "efficiency (v) is the engine's own overhead):", "",
+                  "| a | K | " + " | ".join(h for h, _, _ in _ORACLE_COLUMNS) + " |",
+                  "|---|---" + "|---" * len(_ORACLE_COLUMNS) + "|"]
+        for spec in sorted(oracles, key=lambda s: (s.options["a"], s.k)):
+            fig = summary[spec.label].get("all", {})
+            lines.append(f"| {spec.options['a']:g} | {spec.k} | {_cells(fig, _ORACLE_COLUMNS)} |")
+    lines += ["", LEGEND]
     return "\n".join(lines) + "\n"
 
 
 def mismatches(rows: list[dict]) -> list[str]:
-    """Greedy outputs that differ from plain decoding, with the first differing position."""
-    plain = {(r["prompt_id"], r["turn"]): r for r in rows if r["method"] == "plain"}
+    """One line per greedy output that differs from plain decoding, with the runner's diagnosis
+    (numerical near-tie or bug) of the first differing token."""
     out = []
     for r in rows:
         if r.get("identical") is False:
-            ref = plain[(r["prompt_id"], r["turn"])]["token_ids"]
-            at = next((i for i, (a, b) in enumerate(zip(r["token_ids"], ref)) if a != b),
-                      min(len(ref), len(r["token_ids"])))
+            d = r.get("mismatch", {})
             out.append(f"MISMATCH {r['method']} on question {r['prompt_id']} turn {r['turn']} "
-                       f"({r['category']}) from token {at}")
+                       f"({r['category']}) from token {d.get('position', '?')}: {d.get('verdict', '?')}")
     return out
 
 
@@ -117,60 +144,3 @@ def write_outputs(out_dir: Path, rows: list[dict], summary: dict, table: str, me
         dict(meta=meta, environment=environment(), summary=summary, rows=rows), indent=1))
     (out_dir / "results.md").write_text(table)
     return [out_dir / "results.json", out_dir / "results.md"] + plot(out_dir, summary)
-
-
-def plot(out_dir: Path, summary: dict) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
-    labels = [m for m in summary if m != "plain"]
-    cats = sorted({c for m in labels for c in summary[m]} - {"all"}) + ["all"]
-    fig, ax = plt.subplots(figsize=(min(14, 3 + 1.3 * len(cats)), 4.5))
-    width = 0.8 / max(1, len(labels))
-    for i, label in enumerate(labels):
-        values = [summary[label].get(c, {}).get("speedup") or 0 for c in cats]
-        ax.bar([j + i * width for j in range(len(cats))], values, width, label=label)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(cats))], cats, rotation=20)
-    ax.set_ylabel("median speedup over plain decoding")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(out_dir / "speedup_by_category.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label in labels:
-        rates = summary[label].get("all", {}).get("acceptance_by_position")
-        if rates:
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("P(accepted | earlier accepted)")
-    ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(out_dir / "acceptance_by_position.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(5, 5))
-    points = [(summary[m]["all"]["bound"], summary[m]["all"]["speedup"], m)
-              for m in labels if summary[m].get("all", {}).get("bound") and summary[m]["all"].get("speedup")]
-    if points:
-        top = max(max(b, s) for b, s, _ in points) * 1.1
-        ax.plot([0, top], [0, top], color="gray", linestyle="--", linewidth=0.8, label="measured = bound")
-        for b, s, m in points:
-            ax.scatter(b, s)
-            ax.annotate(m, (b, s), fontsize=6)
-    ax.set_xlabel("Leviathan bound (measured alpha, K, c)")
-    ax.set_ylabel("measured median speedup")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    written.append(out_dir / "measured_vs_bound.png")
-    fig.savefig(written[-1], dpi=110)
-    plt.close(fig)
-    return written
-

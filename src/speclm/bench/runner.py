@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+import torch
 from tqdm import tqdm
 
 from ..api import LLM, Speculation
@@ -68,6 +69,30 @@ def _run_one(llm: LLM, setup, messages: list[dict], params: SamplingParams) -> d
     else:
         row.update(forwards=s.target_forwards, target_s=s.target_time_s)
     return row
+
+
+# logit gaps below these are within what a one-token and a multi-token forward can round apart
+_TIE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-2, torch.bfloat16: 0.5, torch.float16: 0.1}
+
+
+def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids: list[int]) -> dict:
+    """Why a greedy output differs from plain decoding: the first differing position and the
+    target's logit gap there between plain's token and the other, computed afresh. A gap within
+    rounding of the dtype is a numerical near-tie; anything larger is a bug."""
+    at = next((i for i, (a, b) in enumerate(zip(ids, plain_ids)) if a != b), None)
+    if at is None:  # one is a prefix of the other: the stopping rule differed, never a tie
+        return dict(position=min(len(ids), len(plain_ids)), margin=None,
+                    verdict=f"BUG: lengths differ ({len(ids)} vs plain's {len(plain_ids)})")
+    prefix = torch.tensor(llm.encode(messages) + plain_ids[:at], dtype=torch.long)
+    target = llm.target
+    target.reset()
+    logits = target.forward(prefix, 0).logits[-1].double()  # [V]
+    target.reset()
+    margin = float(logits[plain_ids[at]] - logits[ids[at]])
+    tolerance = _TIE_TOLERANCE.get(getattr(target, "dtype", torch.float32), 1e-2)
+    verdict = (f"numerical near-tie (logit gap {margin:.2g} in {str(target.dtype).removeprefix('torch.')})"
+               if abs(margin) <= tolerance else f"BUG: the target prefers plain's token by {margin:.3g} logits")
+    return dict(position=at, margin=margin, verdict=verdict)
 
 
 def run_bench(
@@ -130,6 +155,9 @@ def run_bench(
                 if row.get("error") is None:
                     row["speedup"] = row["tok_s"] / plain_row["tok_s"] if plain_row["tok_s"] else None
                     row["identical"] = (row["token_ids"] == plain_row["token_ids"]) if params.greedy else None
+                    if row["identical"] is False:
+                        row["mismatch"] = diagnose_mismatch(llm, messages, plain_row["token_ids"],
+                                                            row["token_ids"])
                     history[label] = messages + [{"role": "assistant", "content": row["text"]}]
                 rows.append(row)
             bar.update(1)

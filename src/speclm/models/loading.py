@@ -20,6 +20,7 @@ import torch
 
 from ..errors import SpeclmError
 from .hf import HFCausalLM
+from .random_init import is_random, random_model
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -181,6 +182,8 @@ def load_model(
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
+    if is_random(model):
+        return _load_random(model, dev, torch_dtype)
     path = resolve_model_path(model, gguf_file)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -198,11 +201,24 @@ def load_model(
         if bars:
             hf_logging.enable_progress_bar()
     hf_model.to(dev)
+    return LoadedModel(_backend(hf_model, tokenizer), tokenizer, model or DEFAULT_MODEL, path)
+
+
+def _backend(hf_model, tokenizer) -> HFCausalLM:
     eos = set()
     for source in (hf_model.generation_config.eos_token_id, tokenizer.eos_token_id):
         if isinstance(source, int):
             eos.add(source)
         elif source:
             eos.update(source)
-    backend = HFCausalLM(hf_model, frozenset(eos))
-    return LoadedModel(backend, tokenizer, model or DEFAULT_MODEL, path)
+    return HFCausalLM(hf_model, frozenset(eos))
+
+
+def _load_random(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """``random:PRESET``: random weights of a real shape, with the default model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(DEFAULT_MODEL))
+    hf_model = random_model(model, device, dtype)
+    # random weights have no meaningful end of text: requests run to their token budget
+    return LoadedModel(HFCausalLM(hf_model, frozenset()), tokenizer, model, Path(model))
