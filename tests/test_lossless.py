@@ -16,6 +16,7 @@ from scipy.stats import chisquare
 
 from speclm.draft_length import DraftLengthConfig
 from speclm.drafters import DraftModelDrafter, NgramDrafter
+from speclm.drafters.tree_search import TreeShape
 from speclm.engine import generate_tokens
 from speclm.sampling import SamplingParams, warp_probs
 from speclm.stats import RequestStats
@@ -58,11 +59,13 @@ def drafters(target_model):
         "draft-model": lambda: DraftModelDrafter(draft_lm, VOCAB),
         "draft-model-p_min": lambda: DraftModelDrafter(draft_lm, VOCAB, p_min=0.3),
         "unrelated-draft": lambda: DraftModelDrafter(unrelated, VOCAB),
+        "draft-model-tree": lambda: DraftModelDrafter(draft_lm, VOCAB, tree=TreeShape(top_k=3, budget=10)),
+        "unrelated-tree": lambda: DraftModelDrafter(unrelated, VOCAB, tree=TreeShape(top_k=2, budget=5)),
     }
 
 
 @pytest.mark.parametrize("name", ["ngram[1..3]", "ngram[2..4]", "draft-model", "draft-model-p_min",
-                                  "unrelated-draft"])
+                                  "unrelated-draft", "draft-model-tree", "unrelated-tree"])
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_identity(target, name, k):
     lm = backend(target)
@@ -76,21 +79,26 @@ def test_greedy_identity(target, name, k):
         assert spec == plain, f"prompt {i}: speculative output diverged from plain greedy"
         assert stats.generated_tokens == len(plain) == 40
         total_accepted += stats.accepted_tokens
-    if name != "unrelated-draft":
+    if not name.startswith("unrelated"):
         assert total_accepted > 0  # the comparison exercised accept paths, not only rejections
 
 
+# top_k=1: a one-branch tree, which still runs the tree mask, verifier and compaction paths
+@pytest.mark.parametrize("tree", [None, TreeShape(top_k=1, budget=64)], ids=["chain", "tree"])
 @pytest.mark.parametrize("k", [1, 4, 7])
-def test_draft_equal_to_target_accepts_everything(target, k):
+def test_draft_equal_to_target_accepts_everything(target, k, tree):
     lm = backend(target)
-    drafter = DraftModelDrafter(lm.fork(), VOCAB)
+    drafter = DraftModelDrafter(lm.fork(), VOCAB, tree=tree)
     for params in (SamplingParams(max_tokens=(k + 1) * 5, ignore_eos=True),
                    SamplingParams(temperature=0.9, top_p=0.9, max_tokens=(k + 1) * 5,
                                   ignore_eos=True, seed=1)):
+        if tree is not None and not params.greedy:
+            continue  # a sampled token need not be one of the top-k children: only greedy is sure
         _, stats = run(lm, prompts(1)[0], params, drafter, DraftLengthConfig(draft_max=k))
-        assert stats.alpha == 1.0
         assert stats.tau == k + 1
         assert stats.acceptance_by_position == [1.0] * k
+        if tree is None:
+            assert stats.alpha == 1.0
 
 
 def exact_sequence_distribution(model, prompt, length, params):
@@ -107,7 +115,7 @@ def exact_sequence_distribution(model, prompt, length, params):
     return probs.flatten()
 
 
-@pytest.mark.parametrize("kind", ["draft-model", "draft-model-p_min", "ngram"])
+@pytest.mark.parametrize("kind", ["draft-model", "draft-model-p_min", "ngram", "draft-model-tree"])
 def test_sampling_matches_target_distribution(kind):
     """Three tokens per request with K = 2, so one round can accept both drafts plus a bonus."""
     vocab, length, n = 5, 3, 2500
@@ -128,7 +136,8 @@ def test_sampling_matches_target_distribution(kind):
         # with p_min the draft's length depends on its own draws; draft_min must not then
         # drop short drafts (that would bias which tokens get verified)
         p_min = 0.6 if kind.endswith("p_min") else 0.0
-        drafter = DraftModelDrafter(backend(draft_model), vocab, p_min=p_min)
+        tree = TreeShape(top_k=2, budget=5) if kind.endswith("tree") else None
+        drafter = DraftModelDrafter(backend(draft_model), vocab, p_min=p_min, tree=tree)
         config = DraftLengthConfig(draft_max=2, draft_min=2 if p_min else 0)
     else:
         drafter = NgramDrafter(1, 2)

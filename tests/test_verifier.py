@@ -106,7 +106,7 @@ def test_chi_square_detects_biased_sampler():
     params = SamplingParams(temperature=1.0)
 
     def accept_all(target_logits, draft, params, gen):
-        return type(verify(target_logits, draft, params, gen))(torch.tensor(1), draft.tokens)
+        return type(verify(target_logits, draft, params, gen))(torch.tensor(1), draft.tokens, torch.arange(1))
 
     counts = _sample_first_tokens(p_logits, q_logits, params, n=3000, sampler=accept_all)
     p = warp_probs(p_logits[None], params)[0]

@@ -3,11 +3,14 @@
 Invariant: the target's cache holds every committed token but the last (the *pending* token).
 One round:
 
-1. the drafter proposes k tokens continuing the committed tokens (k = 0: plain decoding);
-2. the target runs [pending, d_1 .. d_k] at positions n-1 .. n-1+k in one forward, giving
-   logits [k+1, V] where row i predicts the position of d_{i+1} (row k: the bonus position);
-3. the verifier accepts a prefix d_1 .. d_a and draws one more token (recovered or bonus);
-4. both caches roll back to the accepted prefix and the a+1 tokens are committed.
+1. the drafter proposes k tokens continuing the committed tokens (k = 0: plain decoding), as a
+   chain or as a token tree;
+2. the target runs [pending, d_1 .. d_k] in one forward (a chain at positions n-1 .. n-1+k; a
+   tree at n-1 + depth under the tree mask), giving logits [k+1, V] where row 0 judges the first
+   draft position and row i + 1 the children of d_{i+1} (or the bonus position);
+3. the verifier accepts a path d_1 .. d_a and draws one more token (recovered or bonus);
+4. the target's cache keeps the accepted path (a crop for a chain), the drafter is told the
+   verdict, and the a+1 tokens are committed.
 
 Plain decoding is the same loop with no drafter, so the baseline shares the sampler, the cache
 and the timing code with every speculative method. The loop makes one host sync per round.
@@ -43,6 +46,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _features(out, layers: tuple[int, ...], rows: list[int] | None) -> torch.Tensor:
+    """The drafter's requested hidden layers at ``rows`` (None: all), concatenated: [T, L * H]."""
+    hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)  # [T_fed, L * H]
+    return hidden if rows is None else hidden[rows]
+
+
 def generate_tokens(
     target: CausalLM,
     prompt_ids: torch.Tensor,
@@ -61,6 +70,7 @@ def generate_tokens(
     stats = stats if stats is not None else RequestStats()
     config = draft_length or DraftLengthConfig()
     policy = DraftLengthPolicy(config) if drafter is not None else None
+    feature_layers = getattr(drafter, "feature_layers", None) if drafter is not None else None
     gen = generator if generator is not None else params.make_generator(target.device)
     prompt_ids = prompt_ids.detach().to("cpu", torch.long).flatten()
     n = prompt_ids.shape[0]
@@ -77,8 +87,10 @@ def generate_tokens(
         target.reset()
         if drafter is not None:
             drafter.reset(prompt_ids)
-        if n > 1:
-            target.forward(tokens[: n - 1], 0)  # prefill all but the pending token
+        if n > 1:  # prefill all but the pending token
+            out = target.forward(tokens[: n - 1], 0, return_hidden=feature_layers or False)
+            if feature_layers:
+                drafter.on_target_features(_features(out, feature_layers, None))
             _sync(target.device)
         stats.prefill_time_s = time.perf_counter() - start
         generated = 0
@@ -90,30 +102,34 @@ def generate_tokens(
             draft, proposed = Draft.empty(), k_max > 0
             if proposed:
                 draft = drafter.propose(DraftContext(tokens[:n], k_max, params, gen))
-                if draft.num_tokens > k_max:
-                    raise RuntimeError(f"{type(drafter).__name__} proposed {draft.num_tokens} "
-                                       f"tokens, more than the {k_max} it was asked for")
+                if draft.depth > k_max:
+                    raise RuntimeError(f"{type(drafter).__name__} proposed a draft of depth "
+                                       f"{draft.depth}, more than the {k_max} it was asked for")
                 # Dropping a short draft is only lossless when the draft is a function of the
                 # context (greedy or prompt lookup). A sampled draft's length depends on its own
                 # draws, so dropping it would skew the accepted tokens: verify it anyway.
-                if draft.num_tokens < config.draft_min and draft.q_draft is None:
+                if draft.depth < config.draft_min and draft.q_draft is None:
                     draft = Draft.empty()
                 _sync(target.device)
             k = draft.num_tokens
             t1 = time.perf_counter()
             # -- verify --------------------------------------------------------------------
             fed = torch.cat([tokens[n - 1 : n], draft.tokens.cpu()])  # [k + 1]
-            logits = target.forward(fed, n - 1, num_logits=k + 1).logits  # [k + 1, V]
-            verdict = verify(logits, draft.to(logits.device), params, gen)
-            result = torch.cat([verdict.num_accepted.view(1), verdict.tokens]).tolist()  # sync
+            out = target.forward(fed, n - 1, num_logits=k + 1, tree=draft.tree,
+                                 return_hidden=(feature_layers or False) if proposed else False)
+            verdict = verify(out.logits, draft.to(out.logits.device), params, gen)  # logits [k + 1, V]
+            result = torch.cat([verdict.num_accepted.view(1), verdict.tokens, verdict.path]).tolist()  # sync
             num_accepted, emitted = result[0], result[1 : result[0] + 2]
-            target.rollback(n + num_accepted)
+            path = result[k + 2 : k + 2 + num_accepted]  # accepted node indices, in order
+            target.compact(n, path)  # keeps [0, n) and the accepted nodes' entries
             if proposed:
+                if feature_layers:  # rows of the pending token and the accepted nodes
+                    drafter.on_target_features(_features(out, feature_layers, [0] + [i + 1 for i in path]))
                 drafter.on_verified(num_accepted, emitted)
             t2 = time.perf_counter()
             stats.draft_time_s += t1 - t0
             stats.target_time_s += t2 - t1
-            stats.record_round(k, num_accepted)
+            stats.record_round(k, num_accepted, draft.depth)
             if policy is not None:
                 policy.update(k, num_accepted, t1 - t0, t2 - t1)
             # -- commit --------------------------------------------------------------------

@@ -21,15 +21,18 @@ class RequestStats:
     total_time_s: float = 0.0
     drafter: str = "none"
 
-    def record_round(self, drafted: int, accepted: int) -> None:
+    def record_round(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """One target forward that judged ``drafted`` tokens (tree nodes) reaching ``depth``
+        positions (a chain: depth = drafted) and accepted ``accepted`` of them."""
+        depth = drafted if depth is None else depth
         self.target_forwards += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
-        grow = drafted - len(self.judged_per_position)
+        grow = depth - len(self.judged_per_position)
         if grow > 0:
             self.judged_per_position.extend([0] * grow)
             self.accepted_per_position.extend([0] * grow)
-        for i in range(min(drafted, accepted + 1)):  # positions the verifier looked at
+        for i in range(min(depth, accepted + 1)):  # positions the verifier looked at
             self.judged_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1

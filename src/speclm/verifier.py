@@ -11,6 +11,14 @@ draft. Each round therefore emits ``num_accepted + 1`` tokens.
   min(1, p(x) / q(x)); on rejection draw from the residual. Deterministic drafters (prompt
   lookup) have one-hot q. The output distribution is exactly p.
 
+Token trees (several candidates per position) use the multi-draft form of the same rule. At a
+node, its children are tried in order: child c is accepted with probability min(1, p'(c) / q(c)),
+where p' starts as the node's p and, after each rejected child, becomes norm(max(0, p' - q)); if
+every child is rejected the next token is drawn from the final p'. With i.i.d. sampled children
+(q = the parent's draft distribution) this is recursive rejection sampling; with deterministic
+children (one-hot q) it reduces to: draw x from p and descend into the child whose token is x,
+if there is one. Either way each emitted token is distributed exactly as the target's p.
+
 An empty draft makes this plain decoding: one token sampled from p, which is how the baseline
 shares every line of the sampler with speculation.
 """
@@ -23,12 +31,15 @@ import torch
 
 from .drafters.base import Draft
 from .sampling import SamplingParams, sample_token, warp_probs
+from .tree import TreeMeta
 
 
 @dataclass
 class Verdict:
-    num_accepted: torch.Tensor  # [] int64, 0..k: how many draft tokens were accepted
+    num_accepted: torch.Tensor  # [] int64, 0..depth: how many draft tokens were accepted
     tokens: torch.Tensor  # [k + 1] int64; the first num_accepted + 1 are the round's output
+    path: torch.Tensor  # [k] int64 node indices; the first num_accepted are the accepted nodes
+    #                     in order (a chain's path is 0, 1, 2, ...)
 
 
 def acceptance_probs(p_at: torch.Tensor, q_at: torch.Tensor) -> torch.Tensor:
@@ -55,14 +66,17 @@ def verify(
     target_logits: [k + 1, V] where row i is the target's prediction for the position of draft
     token i (row k predicts the position after the draft, used for the bonus token).
     """
+    if draft.tree is not None:
+        return _verify_tree(target_logits, draft, params, generator)
     draft_tokens = draft.tokens  # [k]
     k = draft_tokens.shape[0]
+    chain_path = torch.arange(k, device=draft_tokens.device)
     if params.greedy:
         target_argmax = target_logits.argmax(-1)  # [k + 1]
         matches = draft_tokens == target_argmax[:k]
         num_accepted = matches.to(torch.long).cumprod(0).sum()
         # accepted tokens equal the argmax, and so does the recovered/bonus token
-        return Verdict(num_accepted, target_argmax)
+        return Verdict(num_accepted, target_argmax, chain_path)
 
     p_target = warp_probs(target_logits, params)  # [k + 1, V]
     if draft.q_draft is None:  # deterministic draft: one-hot q
@@ -82,4 +96,63 @@ def verify(
     final_token = sample_token(chosen, generator)  # [1]
     tokens = torch.cat([draft_tokens, draft_tokens.new_zeros(1)])  # [k + 1]
     tokens = tokens.scatter(0, num_accepted.view(1), final_token)
-    return Verdict(num_accepted, tokens)
+    return Verdict(num_accepted, tokens, chain_path)
+
+
+def _verify_tree(
+    target_logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator
+) -> Verdict:
+    """Multi-draft verification of a token tree; target_logits row 0 is the pending token's,
+    row i + 1 node i's. No host sync: the loops run over the tree's host-side shape only."""
+    tree: TreeMeta = draft.tree
+    device = target_logits.device
+    tokens = draft.tokens  # [k]
+    k = tokens.shape[0]
+    parent_row = (tree.parents + 1).to(device)  # [k] the row that judges each node
+    depth = tree.depth.to(device)  # [k]
+    if params.greedy:
+        target_argmax = target_logits.argmax(-1)  # [k + 1]
+        matches = tokens == target_argmax[parent_row]  # [k]
+        on_path = ~(tree.ancestors.to(device) & ~matches).any(1)  # every ancestor-or-self matches
+        score = torch.where(on_path, depth, 0)  # [k]
+        num_accepted, best = score.max(0)  # the deepest accepted node (one per depth)
+        final_token = target_argmax[torch.where(num_accepted > 0, best + 1, 0)]
+        in_path = tree.ancestors.to(device)[best] & (num_accepted > 0)  # [k]
+        path = torch.argsort(torch.where(in_path, depth, k + 1))  # accepted nodes first, by depth
+        out = torch.cat([tokens[path], tokens.new_zeros(1)]).scatter(0, num_accepted.view(1), final_token.view(1))
+        return Verdict(num_accepted, out, path)
+
+    p_cur = warp_probs(target_logits, params)  # [k + 1, V], becomes the residual as children fail
+    if draft.q_draft is None:
+        q_nodes = torch.nn.functional.one_hot(tokens, p_cur.shape[-1]).to(p_cur.dtype)  # [k, V]
+    else:
+        q_nodes = draft.q_draft.to(p_cur.dtype)
+    child = tree.children.to(device)  # [k + 1, B] children per row, in the order they are tried
+    slots = child.shape[1]
+    u = torch.rand(k + 1, slots, generator=generator, dtype=p_cur.dtype, device=device)
+    accepted_child = torch.full((k + 1,), -1, dtype=torch.long, device=device)  # [k + 1]
+    for j in range(slots):  # try the j-th child of every row at once
+        c = child[:, j]  # [k + 1]
+        safe = c.clamp(min=0)
+        tok = tokens[safe].unsqueeze(1)  # [k + 1, 1]
+        q_rows = q_nodes[safe]  # [k + 1, V]
+        ratio = acceptance_probs(p_cur.gather(1, tok).squeeze(1), q_rows.gather(1, tok).squeeze(1))
+        trying = (c >= 0) & (accepted_child < 0)
+        accepted = trying & (u[:, j] < ratio)
+        accepted_child = torch.where(accepted, c, accepted_child)
+        rejected = trying & ~accepted
+        p_cur = torch.where(rejected.unsqueeze(1), residual_probs(p_cur, q_rows), p_cur)
+    final_per_row = sample_token(p_cur, generator)  # [k + 1]: recovered, or bonus at a leaf
+    row = torch.zeros((), dtype=torch.long, device=device)
+    alive = torch.ones((), dtype=torch.bool, device=device)
+    path_nodes = []
+    for _ in range(tree.max_depth):  # follow accepted children down from the pending token
+        nxt = accepted_child[row]
+        alive = alive & (nxt >= 0)
+        path_nodes.append(torch.where(alive, nxt, -1))
+        row = torch.where(alive, nxt + 1, row)
+    path = torch.stack(path_nodes) if path_nodes else torch.empty(0, dtype=torch.long, device=device)
+    num_accepted = (path >= 0).sum()
+    path = torch.cat([path, path.new_full((k - path.shape[0],), -1)]).clamp(min=0)  # [k]
+    out = torch.cat([tokens[path], tokens.new_zeros(1)]).scatter(0, num_accepted.view(1), final_per_row[row].view(1))
+    return Verdict(num_accepted, out, path)

@@ -4,8 +4,16 @@ A drafter only *proposes*: it never decides what is accepted. The engine hands i
 tokens and a budget, it returns a :class:`Draft`, the verifier judges the draft against the target,
 and the engine reports the verdict back through :meth:`Drafter.on_verified`.
 
-A draft is a chain of tokens. Token trees (later) generalise it with a parent index per token; a
-chain is the tree whose parents are ``[-1, 0, 1, ...]``, so the same verifier serves both.
+A draft is a chain of tokens, or a token tree (:class:`~speclm.tree.TreeMeta`: a parent index per
+token). A chain is the tree whose parents are ``[-1, 0, 1, ...]``, so one verifier serves both.
+
+Optional capabilities, found by attribute (a drafter without them is a plain :class:`Drafter`):
+
+- ``feature_layers: tuple[int, ...]``: indices into the target's hidden states (0 = embeddings,
+  -1 = the last layer after the final norm) that the drafter reads. The engine then calls
+  ``on_target_features(features)`` with ``[T, len(feature_layers) * H]`` for every position it
+  commits, in order: the prompt's positions after prefill (all but the pending token), then, each
+  round before ``on_verified``, the pending token's and the accepted tokens' positions.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..sampling import SamplingParams
+from ..tree import TreeMeta
 
 
 @dataclass
@@ -23,26 +32,36 @@ class DraftContext:
     """What a drafter may look at when proposing."""
 
     token_ids: torch.Tensor  # [n] committed tokens: prompt + output so far (a read-only view)
-    max_tokens: int  # the most tokens this round may propose (K); 0 means "do not draft"
+    max_tokens: int  # the longest chain (tree depth) this round may propose (K); 0: do not draft
     params: SamplingParams  # the request's sampling params (draft models warp q with them)
     generator: torch.Generator  # the request's generator: all draft randomness comes from here
 
 
 @dataclass
 class Draft:
-    """A proposal of k tokens continuing ``DraftContext.token_ids``."""
+    """A proposal of k tokens continuing ``DraftContext.token_ids``: a chain, or a tree.
+
+    ``q_draft`` row i is the warped distribution node i was *sampled* from; siblings must be
+    independent draws from their parent's distribution (the multi-draft rule assumes it). Drafters
+    that pick tokens deterministically (argmax, top-k children, lookups) pass None: one-hot q.
+    """
 
     tokens: torch.Tensor  # [k] int64 proposed token ids (k may be 0)
-    q_draft: torch.Tensor | None = None  # [k, V] the warped distributions the tokens were drawn
-    #                                     from; None for deterministic drafters (one-hot q)
+    q_draft: torch.Tensor | None = None  # [k, V] or None (deterministic: one-hot q)
+    tree: TreeMeta | None = None  # None: a chain, token i continues token i - 1
 
     @property
     def num_tokens(self) -> int:
         return int(self.tokens.shape[0])
 
+    @property
+    def depth(self) -> int:
+        """The longest chain in the draft: the most draft tokens one round can accept."""
+        return self.num_tokens if self.tree is None else self.tree.max_depth
+
     def to(self, device: torch.device) -> Draft:
         q = None if self.q_draft is None else self.q_draft.to(device)
-        return Draft(self.tokens.to(device), q)
+        return Draft(self.tokens.to(device), q, self.tree)
 
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> Draft:

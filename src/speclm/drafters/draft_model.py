@@ -5,7 +5,9 @@ back to the accepted prefix and, next round, feeds only what it has not seen (th
 bonus token, plus the last draft token when everything was accepted).
 
 With sampling, tokens are drawn from q = warp(draft logits) with the same warp as the target and
-those q rows go to the verifier. With ``p_min > 0`` drafting stops early when the draft's top
+those q rows go to the verifier. With a :class:`~.tree_search.TreeShape` the draft grows a dynamic
+token tree instead of a chain (EAGLE-2's search, run on the draft model with tree masks); its
+children are top-k picks, so the verifier treats them as deterministic. With ``p_min > 0`` drafting stops early when the draft's top
 probability falls below it (llama.cpp's ``--draft-p-min``): low-confidence tokens are usually
 rejected, and each one costs a draft forward.
 """
@@ -18,6 +20,7 @@ from ..errors import SpeclmError
 from ..models.base import CausalLM
 from ..sampling import sample_token, warp_probs
 from .base import Draft, DraftContext
+from .tree_search import TreeShape, grow_tree
 
 
 def check_vocab_compatible(target_tokenizer: object, draft_tokenizer: object) -> None:
@@ -37,12 +40,17 @@ def check_vocab_compatible(target_tokenizer: object, draft_tokenizer: object) ->
 class DraftModelDrafter:
     """Autoregressive drafting with a (smaller) causal LM sharing the target's vocabulary."""
 
-    def __init__(self, model: CausalLM, target_vocab_size: int, p_min: float = 0.0) -> None:
+    def __init__(self, model: CausalLM, target_vocab_size: int, p_min: float = 0.0,
+                 tree: TreeShape | None = None) -> None:
         if not 0.0 <= p_min < 1.0:
             raise SpeclmError(f"draft p_min must be in [0, 1), got {p_min}")
+        if tree is not None and p_min > 0:
+            raise SpeclmError("a draft tree already spends its budget by confidence: use p_min "
+                              "with chain drafts only")
         self.model = model
         self.target_vocab_size = target_vocab_size
         self.p_min = p_min
+        self.tree = tree
         self._synced = 0  # committed tokens held in the draft's cache
         self._round_start = 0  # committed length when the last draft was made
         self._fed_drafts = 0  # draft tokens of the last round that went through the draft model
@@ -80,6 +88,9 @@ class DraftModelDrafter:
         pending = ids[self._synced :]  # [n - synced] tokens the draft has not seen (>= 1)
         logits = self.model.forward(pending, self._synced).logits  # [1, V_draft]
         self._synced = total
+        if self.tree is not None:  # tree nodes are dropped from the cache after the round
+            return grow_tree(torch.log_softmax(self._fit_vocab(logits)[0].float(), -1), self,
+                             max_tokens, self.tree)
         tokens: list[torch.Tensor] = []  # each [1]
         q_rows: list[torch.Tensor] = []  # each [1, V]; sampling only (greedy needs no q)
         for i in range(max_tokens):
@@ -103,6 +114,11 @@ class DraftModelDrafter:
             return Draft.empty(ids.device)
         draft_tokens = torch.cat(tokens).to(ids.device)  # [k]
         return Draft(draft_tokens, torch.cat(q_rows) if q_rows else None)  # q: [k, V]
+
+    def expand(self, tokens: torch.Tensor, fed) -> torch.Tensor:
+        """Tree search step: run the newest tree nodes, return their next-token log-probs [T, V]."""
+        logits = self.model.forward(tokens, self.model.cache_length, num_logits=tokens.shape[0], tree=fed).logits
+        return torch.log_softmax(self._fit_vocab(logits).float(), -1)
 
     def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
         # Cached: committed prefix + the draft tokens fed. Keep those that were accepted.

@@ -2,15 +2,18 @@
 
 A backend owns the KV cache of one sequence. The engine appends tokens at explicit positions and
 rolls the cache back after a rejection; it never touches backend internals. A llama.cpp backend
-(planned) implements the same four calls on top of its own context.
+(planned) implements the same calls on top of its own context (a tree maps to its sequence ids).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
+
+from ..tree import TreeMeta
 
 
 @dataclass
@@ -35,15 +38,24 @@ class CausalLM(Protocol):
         token_ids: torch.Tensor,
         start_pos: int,
         num_logits: int = 1,
-        return_hidden: bool = False,
+        return_hidden: bool | Sequence[int] = False,
+        tree: TreeMeta | None = None,
     ) -> ForwardOutput:
-        """Run ``token_ids`` ([T] int64) at positions start_pos .. start_pos + T - 1.
+        """Run ``token_ids`` ([T] int64) at positions start_pos .. start_pos + T - 1; or, with a
+        ``tree`` of k nodes, as the last T rows of [pending, node_0 .. node_{k-1}] laid out from
+        the pending token's slot (start_pos + T - 1 - k; T = k + 1 feeds the whole tree), each at
+        the pending token's position plus its depth, under the tree mask (speclm.tree).
+        ``return_hidden``: True for every layer, or the indices of the layers wanted.
 
         ``start_pos`` must equal ``cache_length`` (the cache contract: roll back explicitly first).
         """
 
     def rollback(self, length: int) -> None:
         """Keep only the first ``length`` cached positions."""
+
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Keep the first ``start`` cached entries and, after them, the entries at
+        ``start + keep[i]`` (ascending): what a verified tree leaves of its forward."""
 
     def reset(self) -> None:
         """Drop the whole cache."""

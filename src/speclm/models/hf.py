@@ -7,10 +7,14 @@ contract and fails loudly when the engine breaks it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..errors import CacheContractError, SpeclmError
+from ..tree import TreeMeta
 from .base import ForwardOutput
 
 
@@ -44,6 +48,24 @@ class KVCache:
             self.hf.crop(length - self.length)  # transformers 5: a negative count to drop
             self.length = length
 
+    @torch.inference_mode()  # the cached tensors are inference tensors
+    def compact(self, start: int, keep: list[int]) -> None:
+        """Move the entries at start + keep[i] to start + i (keep ascending), then crop."""
+        if keep == list(range(len(keep))):
+            self.rollback(start + len(keep))
+            return
+        if not 0 <= start <= self.length or (keep and (keep[0] < 0 or start + keep[-1] >= self.length)):
+            raise CacheContractError(f"cannot keep {keep} after {start}: cache holds {self.length}")
+        src = torch.tensor(keep, dtype=torch.long) + start
+        for layer in self.hf.layers:
+            if type(layer) is not DynamicLayer or layer.keys is None:
+                raise CacheContractError(f"{type(layer).__name__} cannot be compacted after a tree")
+            index = src.to(layer.keys.device)
+            layer.keys[:, :, start : start + len(keep)] = layer.keys.index_select(2, index)
+            layer.values[:, :, start : start + len(keep)] = layer.values.index_select(2, index)
+        self.hf.crop(start + len(keep) - self.length)
+        self.length = start + len(keep)
+
     def reset(self) -> None:
         self.hf = self._new_cache()
         self.length = 0
@@ -61,6 +83,9 @@ class HFCausalLM:
         self.eos_token_ids = eos_token_ids
         self.num_layers = int(getattr(model.config, "num_hidden_layers", 0))
         self._cache = KVCache(model)
+        # a tree mask replaces the model's own masks, so trees need plain full-attention layers
+        self.supports_trees = all(type(layer) is DynamicLayer for layer in self._cache.hf.layers) and not any(
+            isinstance(layer, DynamicSlidingWindowLayer) for layer in self._cache.hf.layers)
         if not self._cache.hf.is_croppable:
             raise SpeclmError(
                 f"{type(model).__name__} uses a cache that cannot be rolled back "
@@ -77,28 +102,52 @@ class HFCausalLM:
         token_ids: torch.Tensor,
         start_pos: int,
         num_logits: int = 1,
-        return_hidden: bool = False,
+        return_hidden: bool | Sequence[int] = False,
+        tree: TreeMeta | None = None,
     ) -> ForwardOutput:
         num_new = token_ids.shape[0]
         if not 1 <= num_logits <= num_new:
             raise ValueError(f"num_logits must be in [1, {num_new}], got {num_logits}")
         self._cache.check_append(start_pos)
-        positions = torch.arange(start_pos, start_pos + num_new, device=self.device)  # [T]
+        slots = torch.arange(start_pos, start_pos + num_new, device=self.device)  # [T] cache slots
+        mask = None
+        if tree is None:
+            positions = slots
+        else:
+            if not self.supports_trees:
+                raise SpeclmError(f"{type(self.model).__name__} has sliding-window or other special "
+                                  "attention layers; token trees need full attention (use a chain drafter)")
+            root_slot = start_pos + num_new - (tree.num_nodes + 1)  # the pending token's slot
+            if not 0 <= root_slot <= start_pos:
+                raise ValueError(f"{num_new} tokens cannot be the last rows of a tree of {tree.num_nodes} nodes")
+            # the fed tokens are the last T rows of [pending, nodes...]; earlier rows are cached
+            positions = tree.positions(root_slot, num_new).to(self.device)  # [T]
+            mask = tree.attention_bias(root_slot, self.dtype, self.device, num_new)  # [1, 1, T, start_pos + T]
+        if isinstance(return_hidden, bool):
+            layers = None
+        else:
+            layers = [i % (self.num_layers + 1) for i in return_hidden]
         out = self.model(
             input_ids=token_ids.to(self.device).view(1, num_new),  # [1, T]
+            attention_mask=mask,
             past_key_values=self._cache.hf,
             use_cache=True,
-            cache_position=positions,
+            cache_position=slots,
             position_ids=positions.view(1, num_new),
             logits_to_keep=num_logits,
-            output_hidden_states=return_hidden,
+            output_hidden_states=bool(return_hidden) if layers is None else layers,
         )
         self._cache.length += num_new
-        hidden = tuple(h[0] for h in out.hidden_states) if return_hidden else None  # [T, H] each
+        hidden = None
+        if return_hidden:  # [T, H] per layer; with a selection, only the selected are filled
+            hidden = tuple(None if h is None else h[0] for h in out.hidden_states)
         return ForwardOutput(logits=out.logits[0], hidden_states=hidden)  # logits [num_logits, V]
 
     def rollback(self, length: int) -> None:
         self._cache.rollback(length)
+
+    def compact(self, start: int, keep: list[int]) -> None:
+        self._cache.compact(start, keep)
 
     def reset(self) -> None:
         self._cache.reset()

@@ -1,0 +1,81 @@
+"""Dynamic draft trees (EAGLE-2): grow where the drafter is confident, then keep the best nodes.
+
+A drafter that can score continuations of several tree nodes in one pass grows its tree level by
+level. Every candidate carries the drafter's cumulative log-probability (its path confidence,
+which tracks the chance the target accepts the whole path). At each depth only the ``top_k``
+most confident new candidates are expanded (fed to the drafter); each expanded node offers its
+``top_k`` best children as candidates. Finally the ``budget`` most confident candidates of all
+depths are kept; a child's score never exceeds its parent's, so the kept set is a tree.
+
+The children are chosen deterministically (top-k), so the verifier treats them as one-hot q: the
+output stays exactly the target's, greedy or sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from ..errors import SpeclmError
+from ..tree import TreeMeta
+from .base import Draft
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How a dynamic tree grows: ``top_k`` children per expanded node and ``top_k`` nodes
+    expanded per depth (the depth itself is the round's K), at most ``budget`` nodes kept."""
+
+    top_k: int = 4
+    budget: int = 16
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1 or self.budget < 1:
+            raise SpeclmError(f"tree top_k and budget must be >= 1, got {self.top_k} and {self.budget}")
+
+
+class TreeStepper(Protocol):
+    def expand(self, tokens: torch.Tensor, fed: TreeMeta) -> torch.Tensor:
+        """Feed ``tokens`` ([T]), the last T nodes of ``fed`` (every node expanded so far, in the
+        order fed); return the drafter's log-probabilities for their next tokens: [T, V]."""
+
+
+def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, shape: TreeShape) -> Draft:
+    """Grow a tree of at most ``depth`` levels from the pending token's draft log-probs ([V]).
+
+    Candidate bookkeeping lives on the host (a few dozen entries); one sync per level brings the
+    new candidates' top-k over.
+    """
+    k = min(shape.top_k, root_logprobs.shape[-1])
+    scores, tokens = (t.cpu() for t in torch.topk(root_logprobs.float(), k))  # [N] candidates
+    parent = torch.full((k,), -1, dtype=torch.long)  # [N] each candidate's parent candidate
+    level = torch.ones(k, dtype=torch.long)  # [N] depth of each candidate
+    fed_index = torch.full((k,), -1, dtype=torch.long)  # [N] position among expanded nodes, or -1
+    fed_parents = torch.empty(0, dtype=torch.long)  # [F] parents of the expanded nodes, as positions
+    frontier = torch.arange(k)  # candidates to expand next
+    for d in range(2, depth + 1):
+        fed_index[frontier] = torch.arange(fed_parents.shape[0], fed_parents.shape[0] + frontier.shape[0])
+        up = parent[frontier]
+        fed_parents = torch.cat([fed_parents, torch.where(up >= 0, fed_index[up.clamp(min=0)], -1)])
+        logprobs = stepper.expand(tokens[frontier], TreeMeta.from_parents(fed_parents))  # [T, V]
+        child_scores, child_tokens = (t.cpu() for t in torch.topk(logprobs.float(), k, dim=-1))  # [T, k]
+        child_scores = (scores[frontier].unsqueeze(1) + child_scores).flatten()  # cumulative
+        new = torch.arange(scores.shape[0], scores.shape[0] + child_scores.shape[0])
+        scores = torch.cat([scores, child_scores])
+        tokens = torch.cat([tokens, child_tokens.flatten()])
+        parent = torch.cat([parent, frontier.repeat_interleave(k)])
+        level = torch.cat([level, torch.full(new.shape, d, dtype=torch.long)])
+        fed_index = torch.cat([fed_index, torch.full(new.shape, -1, dtype=torch.long)])
+        frontier = new[torch.topk(child_scores, min(k, new.shape[0])).indices]
+    # keep the most confident; on equal scores the shallower first, so ancestors come first
+    order = torch.sort(level, stable=True).indices
+    order = order[torch.sort(-scores[order], stable=True).indices]
+    kept = order[: shape.budget]
+    kept = kept[torch.argsort(level[kept] * scores.shape[0] + kept)]  # topological order
+    position = torch.full(scores.shape, -1, dtype=torch.long)
+    position[kept] = torch.arange(kept.shape[0])
+    up = parent[kept]
+    parents = torch.where(up >= 0, position[up.clamp(min=0)], -1)
+    return Draft(tokens[kept], None, TreeMeta.from_parents(parents))

@@ -1,0 +1,116 @@
+"""Token trees: the shape of a draft that proposes several continuations at once.
+
+A tree of k draft tokens is given by ``parents`` ([k] int64, on the host): node i continues node
+``parents[i]``, or the pending token (the last committed one) when ``parents[i] == -1``. Nodes are
+in topological order (``parents[i] < i``), so a parent always comes before its children. A chain
+is the tree whose parents are ``[-1, 0, 1, ..., k-2]``; everything here treats it as one.
+
+The target runs ``[pending, node_0 .. node_{k-1}]`` in one forward. Row 0 of its output is the
+pending token's, row ``i + 1`` is node i's; node i sits at position ``pending + depth[i]`` and
+attends to the committed context, the pending token and its own ancestors (the tree mask).
+In a cache the tree is laid out the same way: the pending token's slot, then node i at the slot
+after it plus i. A drafter that grows a tree level by level feeds only the newest nodes: the
+last T rows of that layout, whose earlier rows are already cached.
+
+Example: parents [-1, -1, 0, 0, 1] is the tree
+
+    pending ─┬─ n0 ─┬─ n2
+             │      └─ n3
+             └─ n1 ─── n4
+
+with depth [1, 1, 2, 2, 2].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TreeMeta:
+    """Host-side metadata of a draft tree, computed once per round."""
+
+    parents: torch.Tensor  # [k] int64, -1 = the pending token; parents[i] < i
+    depth: torch.Tensor  # [k] int64, >= 1: tokens between the pending token and the node, inclusive
+    ancestors: torch.Tensor  # [k, k] bool: ancestors[i, j] = node j is node i or an ancestor of it
+    children: torch.Tensor  # [k + 1, B] int64: row 0 the pending token's children, row i + 1
+    #                         node i's, in node order, padded with -1 (B = most children of a row)
+    max_depth: int  # the longest root-to-leaf chain (0 for an empty tree)
+
+    @property
+    def num_nodes(self) -> int:
+        return int(self.parents.shape[0])
+
+    @property
+    def num_children(self) -> torch.Tensor:
+        """[k + 1] int64: how many children the pending token and each node have."""
+        return (self.children >= 0).sum(1)
+
+    @property
+    def is_chain(self) -> bool:
+        return bool(torch.equal(self.parents, torch.arange(-1, self.num_nodes - 1)))
+
+    @staticmethod
+    def from_parents(parents: torch.Tensor | list[int]) -> TreeMeta:
+        parents = torch.as_tensor(parents, dtype=torch.long, device="cpu").flatten()  # [k]
+        k = parents.shape[0]
+        index = torch.arange(k)
+        if k and not bool(((parents >= -1) & (parents < index)).all()):
+            raise ValueError(f"tree parents must satisfy -1 <= parents[i] < i, got {parents.tolist()}")
+        # ancestors by repeated squaring of the parent relation: log2(k) boolean matrix products
+        step = torch.zeros(k, k, dtype=torch.bool)
+        has_parent = parents >= 0
+        step[index[has_parent], parents[has_parent]] = True
+        ancestors = step | torch.eye(k, dtype=torch.bool)
+        for _ in range(max(1, k).bit_length()):
+            ancestors = ancestors | ((ancestors.float() @ ancestors.float()) > 0)
+        depth = ancestors.sum(1)  # ancestors-or-self = tokens from the pending one, exclusive
+        # each node's slot among its siblings: how many earlier nodes share its parent
+        same_parent = parents[None, :] == parents[:, None]  # [k, k]
+        rank = (same_parent & torch.ones(k, k, dtype=torch.bool).tril(-1)).sum(1)  # [k]
+        width = int(rank.max()) + 1 if k else 0
+        children = torch.full((k + 1, width), -1, dtype=torch.long)
+        children[parents + 1, rank] = index
+        return TreeMeta(parents, depth, ancestors, children, int(depth.max()) if k else 0)
+
+    @staticmethod
+    def chain(k: int) -> TreeMeta:
+        return TreeMeta.from_parents(torch.arange(-1, k - 1))
+
+    def positions(self, start: int, rows: int | None = None) -> torch.Tensor:
+        """[T] positions of the last T = ``rows`` (default k + 1) entries of [pending, nodes...]
+        when the pending token sits at position ``start``."""
+        full = start + torch.cat([torch.zeros(1, dtype=torch.long), self.depth])  # [k + 1]
+        return full[-(rows or full.shape[0]):]
+
+    def attention_bias(self, past: int, dtype: torch.dtype, device: torch.device,
+                       rows: int | None = None) -> torch.Tensor:
+        """[1, 1, T, past + k + 1] additive mask for a forward of the last T = ``rows`` (default
+        k + 1) entries of [pending, nodes...]: 0 where a query may attend, the dtype's minimum
+        elsewhere. ``past`` is the number of committed slots before the pending token's; every
+        row sees them and the pending token; a node also sees its ancestors and itself."""
+        k = self.num_nodes
+        rows = rows or k + 1
+        allowed = torch.ones(k + 1, past + k + 1, dtype=torch.bool)
+        allowed[0, past + 1 :] = False  # the pending token sees only the past and itself
+        allowed[1:, past + 1 :] = self.ancestors
+        allowed = allowed[-rows:]  # [T, past + k + 1]
+        bias = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        return bias.view(1, 1, rows, past + k + 1).to(device)
+
+
+def tree_from_paths(paths: list[list[int]]) -> tuple[list[int], list[tuple[int, ...]]]:
+    """A static tree (Medusa-style) from a list of paths of choice indices.
+
+    Each path names, per depth, which candidate (0 = best) to take; e.g. ``[[0], [1], [0, 0]]``
+    is the top-2 first tokens and the best continuation of the first. Returns the parents list
+    (paths sorted by depth, then lexicographically) and each node's path, so a drafter can look
+    up which candidate each node takes. Missing prefixes are added.
+    """
+    nodes = {tuple(p[:d]) for p in paths for d in range(1, len(p) + 1)}
+    ordered = sorted(nodes, key=lambda p: (len(p), p))
+    index = {p: i for i, p in enumerate(ordered)}
+    parents = [index[p[:-1]] if len(p) > 1 else -1 for p in ordered]
+    return parents, ordered
