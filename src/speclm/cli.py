@@ -12,6 +12,7 @@ import sys
 import time
 
 from .bench import command as bench_command
+from .learned import command as train_command
 from .errors import SpeclmError
 from .sampling import SamplingParams
 
@@ -99,6 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", "-q", action="store_true", help="do not print stats")
     _add_model_flags(gen)
     bench_command.add_parser(sub, _positive)
+    train_command.add_parser(sub, _positive)
     chat = sub.add_parser("chat", help="interactive multi-turn chat, streaming",
                           description="Chat with the model. Commands: /reset, /stats, /exit.")
     chat.add_argument("--stats", action="store_true", help="print stats after every answer")
@@ -268,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     args.argv = list(argv)
     start = time.perf_counter()
     try:
-        command = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": bench_command.run}[args.command]
+        command = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": bench_command.run,
+                   "train-drafter": train_command.run}[args.command]
         return command(args)
     except SpeclmError as exc:
         print(f"speclm: error: {exc}", file=sys.stderr)

@@ -1,0 +1,113 @@
+"""EAGLE-style drafting: a one-layer head over the target's features drafts a chain or a tree.
+
+The head keeps its own KV cache over committed positions t, each fed the pair (target features
+at t, embedding of token t + 1); its output at t predicts token t + 2. Features arrive from the
+engine for every position the target commits, so at the start of a round the head runs the new
+pairs in one pass and its last output gives the distribution of the first draft token. Further
+tokens are drafted at the feature level: a drafted position's input is the head's own output at
+its parent instead of the target's features. Trees grow with EAGLE-2's dynamic search
+(:mod:`.tree_search`); tree and draft entries are cropped from the head's cache after the round.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import sample_token, warp_probs
+from ..tree import TreeMeta
+from .base import Draft, DraftContext
+from .tree_search import TreeShape, grow_tree
+
+
+class EagleDrafter:
+    def __init__(self, head, embedding: torch.nn.Module, feature_layers: list[int],
+                 vocab_size: int, tree: TreeShape | None = None) -> None:
+        from transformers import DynamicCache
+
+        self.head = head.eval()
+        self.embedding = embedding  # the target's input embedding, shared
+        self.feature_layers = tuple(feature_layers)
+        self.vocab_size = vocab_size
+        self.tree = tree
+        self._new_cache = lambda: DynamicCache(config=head.config)
+        self._param = next(head.parameters())
+        self.reset(torch.empty(0, dtype=torch.long))
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        self.cache = self._new_cache()
+        self.processed = 0  # pairs (features at t, token t + 1) in the head's cache
+        self.features: list[torch.Tensor] = []  # [T, L * H] chunks not yet run through the head
+        self.root_hidden: torch.Tensor | None = None  # [H] the head's output at the last pair
+        self._fed_hidden = torch.empty(0)  # [F, H] outputs of the tree nodes expanded this round
+
+    def on_target_features(self, features: torch.Tensor) -> None:
+        self.features.append(features)
+
+    def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
+        extra = self.cache.get_seq_length() - self.processed
+        if extra > 0:  # drop what was drafted; committed pairs stay
+            self.cache.crop(-extra)
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.embedding(ids.to(self.embedding.weight.device)).to(self._param.dtype)
+
+    def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, V] over the target's vocabulary (-inf outside the draft vocabulary)."""
+        draft = self.head.logits(hidden)  # [T, N], float32 (float64 in tests)
+        full = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.head.draft_to_target, draft)
+
+    def _run(self, feature, ids, start: int, tree: TreeMeta | None, past: int) -> torch.Tensor:
+        """Run T pairs at positions from ``start`` (chain) or as the last rows of ``tree``."""
+        t = ids.shape[0]
+        if tree is None:  # a causal block after ``past`` cached pairs
+            tree, past = TreeMeta.chain(t - 1), start
+        positions = tree.positions(past, t).to(self._param.device).view(1, t)
+        mask = tree.attention_bias(past, self._param.dtype, self._param.device, t)
+        out = self.head(feature.view(1, t, -1), self._embed(ids).view(1, t, -1), positions, mask, self.cache)
+        return out[0]  # [T, H]
+
+    @torch.inference_mode()
+    def propose(self, ctx: DraftContext) -> Draft:
+        ids = ctx.token_ids  # [n]; features have arrived for positions < n - 1
+        if self.features:
+            feats = torch.cat(self.features).to(self._param.device, self._param.dtype)  # [m, L * H]
+            self.features = []
+            m = feats.shape[0]
+            start = self.processed
+            out = self._run(self.head.fuse(feats), ids[start + 1 : start + 1 + m], start, None, start)
+            self.processed += m
+            self.root_hidden = out[-1]
+        if self.root_hidden is None or ctx.max_tokens <= 0:
+            return Draft.empty(ids.device)
+        root_logits = self._full_logits(self.root_hidden.view(1, -1))  # [1, V]
+        if self.tree is not None:
+            self._fed_hidden = self.root_hidden.new_empty(0, self.root_hidden.shape[0])
+            return grow_tree(torch.log_softmax(root_logits[0], -1), self, ctx.max_tokens, self.tree)
+        return self._chain(root_logits, ctx)
+
+    def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:
+        tokens, q_rows, hidden = [], [], self.root_hidden
+        for i in range(ctx.max_tokens):
+            if ctx.params.greedy:
+                token = logits.argmax(-1)  # [1]
+            else:
+                q = warp_probs(logits, ctx.params)  # [1, V], the target's warp
+                token = sample_token(q, ctx.generator)
+                q_rows.append(q)
+            tokens.append(token)
+            if i + 1 < ctx.max_tokens:  # the drafted pair: (own output, drafted token)
+                hidden = self._run(hidden.view(1, -1), token, self.processed + i, None, self.processed + i)[0]
+                logits = self._full_logits(hidden.view(1, -1))
+        draft_tokens = torch.cat(tokens).to(ctx.token_ids.device)
+        return Draft(draft_tokens, torch.cat(q_rows) if q_rows else None)
+
+    def expand(self, tokens: torch.Tensor, fed: TreeMeta) -> torch.Tensor:
+        """Tree search step: the newest T nodes of ``fed``, each paired with its parent's output."""
+        t = tokens.shape[0]
+        parents = fed.parents[-t:]  # [T] expanded-node index of each parent, -1 = the root
+        known = torch.cat([self.root_hidden.view(1, -1), self._fed_hidden])  # [1 + F_old, H]
+        feature = known[(parents + 1).to(known.device)]  # [T, H]
+        out = self._run(feature, tokens, 0, fed, self.processed - 1)  # root = the last pair
+        self._fed_hidden = torch.cat([self._fed_hidden, out])
+        return torch.log_softmax(self._full_logits(out), -1)

@@ -1,0 +1,163 @@
+"""``speclm train-drafter``: make Medusa heads or an EAGLE head for a target, on CPU or CUDA.
+
+    speclm train-drafter --method eagle --target default --out drafters/smollm2-eagle --max-minutes 20
+
+Steps: the target answers the training prompts (cached), the drafter trains with a progress bar
+and a held-out acceptance estimate after every epoch, and the folder is written after every
+epoch, so an interrupted run leaves a usable drafter and running the same command again resumes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+from ..errors import SpeclmError
+
+STATE_FILE = "train-state.pt"
+
+
+def add_parser(sub, number) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "train-drafter", help="train Medusa heads or an EAGLE head on the target's own answers",
+        description="Self-distillation: the target answers the prompts, the drafter learns to "
+                    "predict its tokens from its hidden states. Resumes from --out when run again.")
+    p.add_argument("--method", required=True, choices=["medusa", "eagle"], help="which drafter")
+    p.add_argument("--target", default="default", help="target model (default: %(default)s)")
+    p.add_argument("--out", required=True, help="folder for the drafter (and its data cache)")
+    p.add_argument("--prompts", action="append", default=[],
+                   help="JSONL of extra training prompts (Spec-Bench layout), repeatable")
+    p.add_argument("--no-default-prompts", action="store_true",
+                   help="train on --prompts only, without speclm's built-in training prompts")
+    p.add_argument("--max-new-tokens", type=number(int), default=192,
+                   help="length of the target's answers (default: %(default)s)")
+    p.add_argument("--epochs", type=number(int), default=4, help="(default: %(default)s)")
+    p.add_argument("--max-minutes", type=number(float), default=None,
+                   help="stop training after this long (data generation not counted)")
+    p.add_argument("--batch-size", type=number(int), default=8, help="sequences per step (default: %(default)s)")
+    p.add_argument("--lr", type=number(float), default=None, help="learning rate (default: 3e-4 eagle, 1e-3 medusa)")
+    p.add_argument("--draft-vocab", type=number(int), default=8192,
+                   help="tokens the drafter can propose: the most frequent in the data (default: %(default)s)")
+    p.add_argument("--heads", type=number(int), default=4, help="medusa: number of heads (default: %(default)s)")
+    p.add_argument("--tree-budget", type=number(int), default=24,
+                   help="medusa: nodes of the static tree built from held-out accuracy (default: %(default)s)")
+    p.add_argument("--feature-layers", default=None,
+                   help="eagle: comma-separated target layers to read (default: low, middle, high)")
+    p.add_argument("--unroll", type=number(int), default=2,
+                   help="eagle: training-time-test steps on its own outputs (default: %(default)s)")
+    p.add_argument("--held-out", type=number(float), default=0.1, help="fraction held out (default: %(default)s)")
+    p.add_argument("--restart", action="store_true", help="ignore a saved training state in --out")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
+    p.add_argument("--seed", type=number(int), default=0)
+    return p
+
+
+def _feature_layers(text: str | None, num_layers: int) -> list[int]:
+    if text is None:
+        return [2, num_layers // 2, num_layers - 1] if num_layers >= 4 else list(range(1, num_layers + 1))
+    try:
+        layers = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise SpeclmError(f"--feature-layers takes comma-separated integers, got {text!r}") from None
+    if not layers or any(not 0 <= x <= num_layers for x in layers):
+        raise SpeclmError(f"--feature-layers must be in 0..{num_layers} (0 = embeddings)")
+    return layers
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..distill.data import distill_prompts
+    from ..models import load_model
+    from .checkpoint import DrafterConfig, TargetIdentity, save_weights
+    from .data import build_dataset
+    from .modules import EagleHead, MedusaHeads
+    from .train import EagleTrainer, MedusaTrainer, draft_vocabulary
+
+    if not 0 < args.held_out < 0.5:
+        raise SpeclmError(f"--held-out must be in (0, 0.5), got {args.held_out}")
+    if args.no_default_prompts and not args.prompts:
+        raise SpeclmError("--no-default-prompts needs --prompts FILE")
+    prompts = distill_prompts(args.prompts)
+    if args.no_default_prompts:
+        prompts = prompts[len(distill_prompts()):]
+    out = Path(args.out).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SpeclmError(f"cannot create {args.out!r}: {exc.strerror}") from None
+
+    loaded = load_model(args.target, device=args.device, dtype="float32")
+    target = loaded.backend.model
+    for p in target.parameters():
+        p.requires_grad_(False)
+    identity = TargetIdentity.of(target, loaded.name)
+    layers = [-1] if args.method == "medusa" else _feature_layers(args.feature_layers, target.config.num_hidden_layers)
+    start = time.monotonic()
+    sequences = build_dataset(target, loaded.tokenizer, sorted(loaded.backend.eos_token_ids), prompts,
+                              target_name=loaded.name, fingerprint=identity.fingerprint,
+                              feature_layers=layers, max_new_tokens=args.max_new_tokens, folder=out)
+    data_minutes = (time.monotonic() - start) / 60
+    if len(sequences) < 4:
+        raise SpeclmError(f"only {len(sequences)} usable answers; give more prompts")
+    random.Random(args.seed).shuffle(sequences)
+    cut = max(1, int(len(sequences) * args.held_out))
+    held_out, train = sequences[:cut], sequences[cut:]
+    draft_ids = draft_vocabulary(train, args.draft_vocab, identity.vocab_size, sorted(loaded.backend.eos_token_ids))
+    device = loaded.backend.device
+    if args.method == "medusa":
+        module = MedusaHeads.create(target, args.heads, draft_ids).to(device)
+        trainer = MedusaTrainer(module, train, held_out, vocab_size=identity.vocab_size, epochs=args.epochs,
+                                batch_size=args.batch_size, lr=args.lr or 1e-3, device=device,
+                                max_seconds=args.max_minutes * 60 if args.max_minutes else None, seed=args.seed)
+    else:
+        module = EagleHead.create(target, layers, draft_ids).to(device)
+        trainer = EagleTrainer(module, target.get_input_embeddings(), train, held_out,
+                               vocab_size=identity.vocab_size, epochs=args.epochs, batch_size=args.batch_size,
+                               lr=args.lr or 3e-4, device=device, unroll=args.unroll,
+                               max_seconds=args.max_minutes * 60 if args.max_minutes else None, seed=args.seed)
+    state_path = out / STATE_FILE
+    if state_path.is_file() and not args.restart:
+        saved = torch.load(state_path, weights_only=False)
+        if saved.get("method") != args.method or saved.get("fingerprint") != identity.fingerprint:
+            raise SpeclmError(f"{state_path} is a {saved.get('method')} run for another target or method; "
+                              "use --restart or another --out")
+        module.draft_to_target.copy_(saved["trainer"]["module"]["draft_to_target"])
+        trainer.load_state_dict(saved["trainer"])
+        print(f"speclm: resuming at epoch {trainer.state.epoch + 1} ({trainer.state.seconds / 60:.1f} min "
+              "trained so far)", file=sys.stderr)
+        if trainer.max_seconds is not None:
+            trainer.max_seconds += trainer.state.seconds  # --max-minutes counts this run's time
+
+    def write(figures: dict | None) -> None:
+        history = trainer.state.history
+        accuracy = history[-1]["accuracy"] if history else []
+        training = dict(sequences=len(train), held_out=len(held_out), answer_tokens=sum(
+            s.ids.shape[0] - s.prompt_len for s in train), data_minutes=round(data_minutes, 1),
+            train_minutes=round(trainer.state.seconds / 60, 1), epochs=trainer.state.epoch,
+            held_out_accuracy=accuracy, history=history, max_new_tokens=args.max_new_tokens)
+        if args.method == "medusa" and accuracy:
+            from ..drafters.medusa import best_static_tree
+
+            training["tree"] = best_static_tree(accuracy, args.tree_budget)
+        config = DrafterConfig(kind=args.method, target=identity, draft_vocab_size=int(draft_ids.shape[0]),
+                               feature_layers=layers, num_heads=args.heads if args.method == "medusa" else 0,
+                               training=training)
+        save_weights(module, out)
+        config.save(out)
+        torch.save(dict(method=args.method, fingerprint=identity.fingerprint, trainer=trainer.state_dict()), state_path)
+        if figures is not None:
+            top1 = " ".join(f"{a:.2f}" for a in figures["held_out_top1"])
+            print(f"epoch {figures['epoch']}: loss {figures['loss']:.3f}, held-out top-1 accuracy by "
+                  f"draft position {top1} ({figures['seconds'] / 60:.1f} min)", file=sys.stderr)
+
+    trainer.run(on_epoch=write)
+    if not trainer.state.history:
+        write(None)
+    params = sum(p.numel() for p in module.parameters())
+    print(f"wrote {out}: {args.method} drafter, {params / 1e6:.1f}M parameters, draft vocabulary "
+          f"{draft_ids.shape[0]}, trained {trainer.state.seconds / 60:.1f} min on {len(train)} answers")
+    return 0

@@ -1,0 +1,46 @@
+"""Turn a trained drafter folder into a drafter for a loaded target, checking they belong together."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+from ..errors import SpeclmError
+from ..models.hf import HFCausalLM
+from .checkpoint import DrafterConfig, TargetIdentity, load_weights
+
+
+def load_learned_drafter(folder: str | Path, target: HFCausalLM, kind: str, *, top_k: int = 4,
+                         budget: int = 16, tree: bool = True):
+    """A :class:`MedusaDrafter` or :class:`EagleDrafter` from ``folder`` for ``target``.
+
+    ``kind`` is what the user asked for ("medusa" or "eagle"); a folder holding the other kind is
+    an error. EAGLE drafts a dynamic tree of ``budget`` nodes (``top_k`` per expansion), or a
+    chain with ``tree=False``; Medusa's tree is the one chosen at training time.
+    """
+    from ..drafters.eagle import EagleDrafter
+    from ..drafters.medusa import MedusaDrafter
+    from ..drafters.tree_search import TreeShape
+    from .modules import EagleHead, MedusaHeads
+
+    folder = Path(folder).expanduser()
+    if not folder.is_dir():
+        raise SpeclmError(f"drafter folder {str(folder)!r} does not exist")
+    config = DrafterConfig.load(folder)
+    if config.kind != kind:
+        raise SpeclmError(f"{str(folder)!r} holds a {config.kind} drafter, not {kind}")
+    for warning in config.target.check(TargetIdentity.of(target.model, "this target"), str(folder)):
+        print(f"speclm: warning: {warning}", file=sys.stderr)
+    dtype = torch.float64 if target.dtype == torch.float64 else torch.float32  # small: keep it exact
+    if config.kind == "medusa":
+        module = MedusaHeads(config.target.hidden_size, config.num_heads, config.draft_vocab_size)
+        load_weights(module, folder)
+        paths = config.training.get("tree") or [[0] * d for d in range(1, config.num_heads + 1)]
+        return MedusaDrafter(module.to(target.device, dtype), paths)
+    module = EagleHead(target.model.config, len(config.feature_layers), config.draft_vocab_size)
+    load_weights(module, folder)
+    shape = TreeShape(top_k=top_k, budget=budget) if tree else None
+    return EagleDrafter(module.to(target.device, dtype), target.model.get_input_embeddings(),
+                        config.feature_layers, target.vocab_size, shape)

@@ -1,0 +1,260 @@
+"""Training Medusa heads and the EAGLE head on the target's own answers (self-distillation).
+
+The data are sequences (prompt + the target's answer) with the target's hidden states at every
+position. Losses are cross-entropy against the target's own next tokens, on answer positions only:
+
+- Medusa head d at position t learns token t + 1 + d (its label: what the target said there).
+- The EAGLE head learns token t + 2 from the pair (features at t, token t + 1), and then, as at
+  drafting time, from its own output standing in for the target's features ("training-time
+  test", EAGLE-3): ``unroll`` extra steps, each attending to the true pairs before it and its
+  own earlier steps on the diagonal, exactly the attention pattern of a draft chain.
+
+After every epoch a held-out split measures top-k accuracy per draft position: the chance the
+target accepts the drafter's guess there, which is what acceptance will be.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+IGNORE = -100
+
+
+@dataclass
+class Sequence:
+    ids: torch.Tensor  # [T] prompt + answer
+    prompt_len: int  # answer tokens start here
+    features: torch.Tensor  # [T, F] target hidden states (the drafter's feature layers), float16
+
+
+@dataclass
+class TrainState:
+    epoch: int = 0
+    step: int = 0
+    seconds: float = 0.0
+    history: list[dict] = field(default_factory=list)  # per epoch: loss, held-out accuracy
+
+
+def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
+    """The ``size`` most frequent answer tokens (plus ``always``, e.g. EOS), sorted: [N] ids."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in sequences:
+        counts += torch.bincount(s.ids[s.prompt_len :], minlength=vocab_size)
+    counts[torch.tensor(always, dtype=torch.long)] = counts.max() + 1
+    size = min(size, vocab_size)
+    return torch.sort(torch.topk(counts, size).indices).values
+
+
+def _to_draft_ids(ids: torch.Tensor, draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Target ids -> draft ids, IGNORE where the draft vocabulary lacks the token."""
+    table = torch.full((vocab_size,), IGNORE, dtype=torch.long)
+    table[draft_to_target] = torch.arange(draft_to_target.shape[0])
+    return table[ids]
+
+
+def _batches(items: list, size: int, rng: random.Random) -> list[list]:
+    order = list(range(len(items)))
+    rng.shuffle(order)
+    return [[items[i] for i in order[j : j + size]] for j in range(0, len(order), size)]
+
+
+def _pad(sequences: list[Sequence], table: torch.Tensor, device, dtype=torch.float32) -> tuple:
+    """Right-pad a batch: ids [B, T], features [B, T, F], labels [B, T] (draft ids of the
+    answer tokens, IGNORE elsewhere), lengths [B]."""
+    width = max(s.ids.shape[0] for s in sequences)
+    feat_dim = sequences[0].features.shape[1]
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    feats = torch.zeros(len(sequences), width, feat_dim, dtype=dtype)
+    labels = torch.full((len(sequences), width), IGNORE, dtype=torch.long)
+    for b, s in enumerate(sequences):
+        t = s.ids.shape[0]
+        ids[b, :t] = s.ids
+        feats[b, :t] = s.features.to(dtype)
+        labels[b, s.prompt_len : t] = table[s.ids[s.prompt_len :]]
+    return ids.to(device), feats.to(device), labels.to(device)
+
+
+class Trainer:
+    """Shared loop: epochs over shuffled batches, AdamW with warm-up and cosine decay, a time
+    bound, held-out evaluation per epoch, and a state that lets a run resume."""
+
+    def __init__(self, module: nn.Module, train: list[Sequence], held_out: list[Sequence], *,
+                 vocab_size: int, epochs: int, batch_size: int, lr: float, device,
+                 max_seconds: float | None, progress: bool = True, seed: int = 0) -> None:
+        self.module, self.train, self.held_out = module, train, held_out
+        self.table = _to_draft_ids(torch.arange(vocab_size), module.draft_to_target.cpu(), vocab_size)
+        self.epochs, self.batch_size, self.device = epochs, batch_size, device
+        self.dtype = next(module.parameters()).dtype
+        self.max_seconds, self.progress = max_seconds, progress
+        self.rng = random.Random(seed)
+        params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+        total = max(1, epochs * math.ceil(len(train) / batch_size))
+        warmup = max(1, total // 20)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+        self.state = TrainState()
+
+    def loss(self, batch) -> tuple[torch.Tensor, dict]:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def accuracy(self, batch, top: int) -> torch.Tensor:  # pragma: no cover - overridden
+        """[positions, top] counts of hits at rank < r + 1, plus a last column of totals."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return dict(module=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
+                    scheduler=self.scheduler.state_dict(), state=self.state.__dict__,
+                    rng=self.rng.getstate())
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.module.load_state_dict(saved["module"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.state = TrainState(**saved["state"])
+        self.rng.setstate(saved["rng"])
+
+    @torch.no_grad()
+    def evaluate(self, top: int = 4) -> list[list[float]]:
+        """Held-out top-r accuracy per draft position: acc[d][r] = P(label is the rank-r guess)."""
+        self.module.eval()
+        totals = None
+        for chunk in _batches(self.held_out, self.batch_size, random.Random(0)):
+            counts = self.accuracy(_pad(chunk, self.table, self.device, self.dtype), top)  # [D, top + 1]
+            totals = counts if totals is None else totals + counts
+        self.module.train()
+        if totals is None:
+            return []
+        return (totals[:, :top] / totals[:, top:].clamp(min=1)).tolist()
+
+    def run(self, on_epoch=None) -> TrainState:
+        """Train until the epochs are done or the time bound is hit; returns the state."""
+        self.module.train()
+        started = time.monotonic() - self.state.seconds
+        while self.state.epoch < self.epochs:
+            batches = _batches(self.train, self.batch_size, self.rng)
+            done_in_epoch = self.state.step % max(1, len(batches))
+            bar = tqdm(batches[done_in_epoch:], desc=f"epoch {self.state.epoch + 1}/{self.epochs}",
+                       unit="batch", disable=not self.progress, file=sys.stderr)
+            losses = []
+            out_of_time = False
+            for chunk in bar:
+                loss, figures = self.loss(_pad(chunk, self.table, self.device, self.dtype))
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.module.parameters(), 1.0)
+                self.optimizer.step()
+                self.scheduler.step()
+                self.state.step += 1
+                losses.append(float(loss.detach()))
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", **figures)
+                self.state.seconds = time.monotonic() - started
+                if self.max_seconds is not None and self.state.seconds >= self.max_seconds:
+                    out_of_time = True
+                    break
+            bar.close()
+            accuracy = self.evaluate()
+            if not out_of_time:
+                self.state.epoch += 1
+            self.state.history.append(dict(epoch=self.state.epoch, loss=sum(losses) / max(1, len(losses)),
+                                           held_out_top1=[row[0] for row in accuracy],
+                                           accuracy=accuracy, seconds=round(self.state.seconds, 1),
+                                           stopped_early=out_of_time))
+            if on_epoch is not None:
+                on_epoch(self.state.history[-1])
+            if out_of_time:
+                break
+        return self.state
+
+
+class MedusaTrainer(Trainer):
+    def _logits_labels(self, batch):
+        ids, feats, labels = batch
+        logits = self.module(feats)  # [K, B, T, N]
+        heads = logits.shape[0]
+        # head d at position t predicts the token at t + 1 + (d + 1) = t + d + 2
+        pairs = [(logits[d, :, : -(d + 2)], labels[:, d + 2 :]) for d in range(heads)
+                 if labels.shape[1] > d + 2]
+        return pairs
+
+    def loss(self, batch):
+        pairs = self._logits_labels(batch)
+        losses = [nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1), ignore_index=IGNORE)
+                  for lg, lb in pairs]
+        losses = [x for x in losses if torch.isfinite(x)]
+        total = sum(w * x for w, x in zip((0.8 ** d for d in range(len(losses))), losses))
+        return total, {}
+
+    def accuracy(self, batch, top):
+        return _topk_hits([(lg, lb) for lg, lb in self._logits_labels(batch)], top)
+
+
+class EagleTrainer(Trainer):
+    def __init__(self, module, embedding: nn.Module, *args, unroll: int = 2, **kwargs) -> None:
+        super().__init__(module, *args, **kwargs)
+        self.embedding = embedding  # the target's (frozen)
+        self.unroll = unroll
+
+    def _steps(self, batch):
+        """Logits and labels of each unrolled step: step s's input at t is the head's own output
+        of step s - 1 at t - 1 (step 0: the target's features at t)."""
+        from transformers import DynamicCache
+
+        ids, feats, labels = batch
+        b, t = ids.shape
+        with torch.no_grad():
+            embedded = self.embedding(ids[:, 1:]).to(feats.dtype)  # [B, T - 1, H] next-token embeddings
+        positions = torch.arange(t - 1, device=ids.device).expand(b, -1)
+        cache = DynamicCache(config=self.module.config)
+        feature = self.module.fuse(feats[:, :-1])  # [B, T - 1, H]
+        out = self.module(feature, embedded, positions, None, cache)  # causal over true pairs
+        results = [(self.module.logits(out[:, :-1]), labels[:, 2:])]  # pair t predicts t + 2
+        neg = torch.finfo(out.dtype).min
+        q = torch.arange(t - 1, device=ids.device)
+        for s in range(1, self.unroll + 1):
+            if t - 1 - s < 2:
+                break
+            # step s at position t: own output of step s - 1 at t - 1, and the true token t + 1
+            feature = out[:, :-1]  # [B, T - 1 - s, H]
+            rows = q[s:]  # positions of this step's pairs
+            allowed = []  # columns: the s earlier steps' cached pairs, then this step's
+            for j in range(s + 1):  # step j's pair at position p is visible iff p == row - s + j,
+                cols = q[j:] if j > 0 else q  # or (true pairs) p <= row - s
+                if j == 0:
+                    allowed.append(cols[None, :] <= (rows[:, None] - s))
+                else:
+                    allowed.append(cols[None, :] == (rows[:, None] - s + j))
+            mask = torch.cat(allowed, 1)  # [T - 1 - s, cache + T - 1 - s]
+            bias = torch.zeros(mask.shape, dtype=out.dtype, device=ids.device).masked_fill(~mask, neg)[None, None]
+            out = self.module(feature, embedded[:, s:], positions[:, s:], bias.expand(b, 1, -1, -1), cache)
+            results.append((self.module.logits(out[:, :-1]), labels[:, s + 2 :]))
+        return results
+
+    def loss(self, batch):
+        steps = self._steps(batch)
+        losses = [nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1), ignore_index=IGNORE)
+                  for lg, lb in steps]
+        losses = [x for x in losses if torch.isfinite(x)]
+        return sum(w * x for w, x in zip((0.8 ** s for s in range(len(losses))), losses)), {}
+
+    def accuracy(self, batch, top):
+        return _topk_hits(self._steps(batch), top)
+
+
+def _topk_hits(pairs, top: int) -> torch.Tensor:
+    """[len(pairs), top + 1]: per position, hits at rank r (columns 0..top-1) and the total."""
+    rows = []
+    for logits, labels in pairs:
+        valid = labels != IGNORE
+        ranks = torch.topk(logits[valid], top, dim=-1).indices  # [M, top]
+        hit = ranks == labels[valid].unsqueeze(1)  # [M, top]
+        rows.append(torch.cat([hit.sum(0).float(), torch.tensor([float(valid.sum())], device=hit.device)]))
+    return torch.stack(rows).cpu()

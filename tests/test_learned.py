@@ -1,0 +1,208 @@
+"""Medusa heads and the EAGLE head: lossless drafting (greedy identity, sampling distribution),
+training that matches drafting, checkpoints that refuse the wrong target, and the CLI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from speclm.draft_length import DraftLengthConfig
+from speclm.drafters.eagle import EagleDrafter
+from speclm.drafters.medusa import MedusaDrafter, best_static_tree
+from speclm.drafters.tree_search import TreeShape
+from speclm.engine import generate_tokens
+from speclm.errors import SpeclmError
+from speclm.learned.checkpoint import DrafterConfig, TargetIdentity, save_weights
+from speclm.learned.data import hidden_features
+from speclm.learned.loader import load_learned_drafter
+from speclm.learned.modules import EagleHead, MedusaHeads
+from speclm.learned.train import EagleTrainer, MedusaTrainer, Sequence, _pad, _to_draft_ids
+from speclm.sampling import SamplingParams, warp_probs
+from speclm.stats import RequestStats
+
+from .conftest import backend, tiny_model
+
+V = 96
+LAYERS = [1, 2]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(V, seed=10)
+
+
+def run(lm, prompt, params, drafter=None, k=3, gen=None):
+    stats, tokens = RequestStats(), []
+    for step in generate_tokens(lm, prompt, params, drafter=drafter, draft_length=DraftLengthConfig(k),
+                                stats=stats, generator=gen):
+        tokens += step.tokens
+    return tokens, stats
+
+
+def drafters(target):
+    """Each learned drafter, untrained but perturbed so that it proposes varied, often wrong
+    tokens (correctness must not depend on the drafter being good)."""
+    gen = torch.Generator().manual_seed(0)
+    heads = MedusaHeads.create(target, 3, torch.arange(V)).double()
+    eagle = EagleHead.create(target, LAYERS, torch.arange(V)).double()
+    with torch.no_grad():
+        for p in list(heads.blocks.parameters()) + list(eagle.parameters()):
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
+    paths = best_static_tree([[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]], 10)
+    embed = target.get_input_embeddings()
+    return {
+        "medusa": lambda: MedusaDrafter(heads, paths),
+        "eagle-chain": lambda: EagleDrafter(eagle, embed, LAYERS, V, None),
+        "eagle-tree": lambda: EagleDrafter(eagle, embed, LAYERS, V, TreeShape(3, 10)),
+    }
+
+
+@pytest.mark.parametrize("name", ["medusa", "eagle-chain", "eagle-tree"])
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_identity(target, name, k):
+    lm = backend(target)
+    make = drafters(target)[name]
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    accepted = 0
+    for i in range(8):
+        prompt = torch.randint(1, V, (3 + i,), generator=torch.Generator().manual_seed(i))
+        plain, _ = run(lm, prompt, greedy)
+        spec, stats = run(lm, prompt, greedy, make(), k)
+        assert spec == plain, f"prompt {i} diverged"
+        accepted += stats.accepted_tokens
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree", "medusa"])
+def test_sampling_matches_target_distribution(name):
+    from itertools import product
+
+    vocab, length, n = 6, 3, 1500
+    model = tiny_model(vocab, seed=20)
+    lm = backend(model)
+    params = SamplingParams(temperature=1.0, top_k=5, max_tokens=length, ignore_eos=True)
+    prompt = torch.tensor([1, 2, 3, 4])
+    expected = torch.zeros([vocab] * length, dtype=torch.float64)
+    for seq in product(range(vocab), repeat=length):
+        ref = backend(model)
+        logits = ref.forward(torch.cat([prompt, torch.tensor(seq[:-1])]), 0, num_logits=length).logits
+        expected[seq] = torch.prod(warp_probs(logits, params)[torch.arange(length), torch.tensor(seq)])
+    expected = expected.flatten()
+    ids = torch.arange(vocab)
+    if name == "medusa":
+        drafter = MedusaDrafter(MedusaHeads.create(model, 2, ids).double(), [[0], [1], [0, 0], [1, 0]])
+    else:
+        head = EagleHead.create(model, LAYERS, ids).double()
+        drafter = EagleDrafter(head, model.get_input_embeddings(), LAYERS, vocab,
+                               TreeShape(2, 4) if name.endswith("tree") else None)
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.zeros(vocab**length, dtype=torch.float64)
+    accepted = 0
+    for _ in range(n):
+        seq, stats = run(lm, prompt, params, drafter, 2, gen)
+        counts[(torch.tensor(seq) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
+        accepted += stats.accepted_tokens
+    assert accepted > n // 10
+    assert counts[expected == 0].sum() == 0
+    keep = expected * n >= 5
+    observed = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+    wanted = torch.cat([expected[keep], expected[~keep].sum().view(1)]) * n
+    assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3
+
+
+def _sequences(target, count=6, length=24, layers=LAYERS):
+    lm = backend(target)
+    out = []
+    for i in range(count):
+        prompt = torch.randint(1, V, (4 + i % 3,), generator=torch.Generator().manual_seed(100 + i))
+        answer, _ = run(lm, prompt, SamplingParams(max_tokens=length, ignore_eos=True))
+        ids = torch.cat([prompt, torch.tensor(answer)])
+        out.append(Sequence(ids, prompt.shape[0], hidden_features(target, ids, layers).double()))
+    return out
+
+
+def test_unrolled_training_steps_equal_drafting(target):
+    """Step s of the EAGLE trainer computes, at every position, the head's output of a depth-s
+    draft from there: check against the drafter itself run on a prefix."""
+    head = EagleHead.create(target, LAYERS, torch.arange(V)).double()
+    seq = _sequences(target, count=1)[0]
+    trainer = EagleTrainer(head, target.get_input_embeddings(), [seq], [seq], vocab_size=V, epochs=1,
+                           batch_size=1, lr=1e-3, device="cpu", max_seconds=None, unroll=2, progress=False)
+    batch = _pad([seq], trainer.table, "cpu", torch.float64)
+    with torch.no_grad():
+        steps = trainer._steps(batch)  # [(logits [1, T', N], labels)]
+    drafter = EagleDrafter(head, target.get_input_embeddings(), LAYERS, V, None)
+    t = 9  # the drafter has committed tokens 0..t (pending t) and features for 0..t-1
+    drafter.reset(seq.ids[: t + 1])
+    drafter.on_target_features(seq.features[:t].to(torch.float64))
+    from speclm.drafters.base import DraftContext
+
+    logits_seen = []
+    original = drafter._full_logits
+
+    def spy(hidden):
+        out = original(hidden)
+        logits_seen.append(out)
+        return out
+
+    drafter._full_logits = spy
+    greedy = SamplingParams()
+    drafter.propose(DraftContext(seq.ids[: t + 1], 3, greedy, torch.Generator()))
+    # the draft is argmax-driven: compare where the trainer used the true tokens too
+    root, depth1 = logits_seen[0][0], logits_seen[1][0]
+    torch.testing.assert_close(root, steps[0][0][0, t - 1], atol=1e-9, rtol=0)  # pair t-1 predicts t+1
+    if int(root.argmax()) == int(seq.ids[t + 1]):  # the depth-1 input is then the true token
+        torch.testing.assert_close(depth1, steps[1][0][0, t - 1], atol=1e-9, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_training_lowers_loss_and_checkpoints_roundtrip(target, tmp_path, kind):
+    torch.manual_seed(0)
+    data = _sequences(target, layers=[-1] if kind == "medusa" else LAYERS)
+    ids = torch.arange(V)
+    if kind == "medusa":
+        module = MedusaHeads.create(target, 2, ids).double()
+        trainer = MedusaTrainer(module, data, data[:2], vocab_size=V, epochs=60, batch_size=3, lr=1e-2,
+                                device="cpu", max_seconds=None, progress=False)
+    else:
+        module = EagleHead.create(target, LAYERS, ids).double()
+        trainer = EagleTrainer(module, target.get_input_embeddings(), data, data[:2], vocab_size=V,
+                               epochs=40, batch_size=3, lr=3e-3, device="cpu", max_seconds=None, progress=False)
+    before = trainer.evaluate()
+    state = trainer.run()
+    after = trainer.evaluate()
+    assert state.history[-1]["loss"] < state.history[0]["loss"]
+    assert after[0][0] > before[0][0]  # memorising the data raises top-1 accuracy
+    identity = TargetIdentity.of(target, "tiny")
+    DrafterConfig(kind, identity, V, LAYERS if kind == "eagle" else [-1], num_heads=2,
+                  training=dict(tree=[[0], [0, 0], [1]])).save(tmp_path)
+    save_weights(module, tmp_path)
+    lm = backend(target)
+    drafter = load_learned_drafter(tmp_path, lm, kind)
+    prompt = data[0].ids[: data[0].prompt_len]
+    greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain, _ = run(lm, prompt, greedy)
+    spec, stats = run(lm, prompt, greedy, drafter, 2)
+    assert spec == plain and stats.tau > 1.2  # it learnt these very answers
+
+
+def test_loading_for_another_target_is_a_clear_error(target, tmp_path):
+    other = tiny_model(V + 8, seed=1)
+    DrafterConfig("eagle", TargetIdentity.of(other, "other"), V, LAYERS).save(tmp_path)
+    with pytest.raises(SpeclmError, match="vocab_size"):
+        load_learned_drafter(tmp_path, backend(target), "eagle")
+    with pytest.raises(SpeclmError, match="holds a eagle drafter"):
+        load_learned_drafter(tmp_path, backend(target), "medusa")
+    with pytest.raises(SpeclmError, match="does not exist"):
+        load_learned_drafter(tmp_path / "nothing", backend(target), "eagle")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpeclmError, match="not a speclm drafter folder"):
+        load_learned_drafter(tmp_path / "empty", backend(target), "eagle")
+
+
+def test_best_static_tree_is_a_tree_in_order_of_estimated_acceptance():
+    paths = best_static_tree([[0.6, 0.3], [0.5, 0.2], [0.4, 0.1]], 6)
+    assert paths[0] == [0] and len(paths) == 6
+    for p in paths:  # every prefix is in the tree
+        assert all(p[:d] in paths for d in range(1, len(p)))
