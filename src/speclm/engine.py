@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .draft_length import DraftLengthConfig, DraftLengthPolicy
-from .drafters.base import Draft, DraftContext, Drafter
+from .drafters.base import Draft, DraftContext, Drafter, drafter_report, wanted_target_topk
 from .errors import SpeclmError
 from .models.base import CausalLM
 from .sampling import SamplingParams
@@ -61,6 +61,7 @@ def generate_tokens(
     stats = stats if stats is not None else RequestStats()
     config = draft_length or DraftLengthConfig()
     policy = DraftLengthPolicy(config) if drafter is not None else None
+    feedback_k = min(wanted_target_topk(drafter), target.vocab_size)  # 0 unless the drafter asks
     gen = generator if generator is not None else params.make_generator(target.device)
     prompt_ids = prompt_ids.detach().to("cpu", torch.long).flatten()
     n = prompt_ids.shape[0]
@@ -105,11 +106,15 @@ def generate_tokens(
             fed = torch.cat([tokens[n - 1 : n], draft.tokens.cpu()])  # [k + 1]
             logits = target.forward(fed, n - 1, num_logits=k + 1).logits  # [k + 1, V]
             verdict = verify(logits, draft.to(logits.device), params, gen)
+            # queued before the sync, so a drafter's feedback costs no extra sync: [k + 1, t]
+            target_topk = logits.topk(feedback_k, dim=-1).indices if feedback_k else None
             result = torch.cat([verdict.num_accepted.view(1), verdict.tokens]).tolist()  # sync
             num_accepted, emitted = result[0], result[1 : result[0] + 2]
             target.rollback(n + num_accepted)
             if proposed:
                 drafter.on_verified(num_accepted, emitted)
+            if target_topk is not None:
+                drafter.on_target_topk(fed, target_topk)
             t2 = time.perf_counter()
             stats.draft_time_s += t1 - t0
             stats.target_time_s += t2 - t1
@@ -134,3 +139,4 @@ def generate_tokens(
                 return
     finally:
         stats.total_time_s = time.perf_counter() - start
+        stats.drafter_report = drafter_report(drafter)
