@@ -15,6 +15,18 @@ from .errors import SpeclmError
 from .sampling import SamplingParams
 
 EXIT_USAGE = 2
+_DRAFTERS_HELP = """drafters (--drafter NAME[:key=value,...]):
+  ngram[:min=2,max=3]             prompt lookup in the request's own text (the default)
+  suffix[:capacity=262144,factor=1]  suffix matching over every prompt and output of the session
+  recycle[:topk=8]                token recycling: the target's own top-k from earlier verifies
+  layerskip[:skip=3,5-9]          the target minus some layers; without skip= the set is searched
+                                  for this model once (minutes; measured speedup; cached)
+  early-exit[:layers=N]           the target's first N layers (default: a third)
+  draft:path=DIR[,p_min=P]        a smaller model with the target's tokenizer (= --draft-model)
+  distilled[:path=DIR]            the draft model `speclm distill` made for this target
+  auto[:candidates=a,b,...]       measure candidates on the live requests, keep the fastest
+                                  (default: none, ngram, suffix, recycle, plus layerskip and
+                                  distilled where already prepared for this model)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -49,10 +61,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     which.add_argument("--draft-model", metavar="PATH",
                        help="draft with a smaller model sharing the target's tokenizer "
                             "(HF folder, .gguf, or 'default')")
+    which.add_argument("--drafter", metavar="NAME[:OPTS]",
+                       help="a drafter by name: ngram, suffix, recycle, layerskip[:skip=3,5-9], "
+                            "early-exit[:layers=N], draft:path=DIR, distilled, auto (see below)")
     which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
     d.add_argument("--draft-max", type=_positive(int), default=None,
-                   help="K, most tokens drafted per round (default: 5 for a draft model, "
-                        "10 for --ngram, whose drafts cost nothing)")
+                   help="K, most tokens drafted per round (default: the drafter's own: 10 for "
+                        "--ngram, suffix and auto, whose drafts cost little; 6 for recycle; 5 for "
+                        "a draft model; 3 for layerskip and early-exit)")
     d.add_argument("--draft-min", type=_positive(int), default=0,
                    help="drop drafts shorter than this (default: %(default)s)")
     d.add_argument("--draft-p-min", type=_positive(float), default=0.0,
@@ -85,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="generate from one prompt, streaming, then print stats",
-                         description="Generate from a prompt given as argument, --file or stdin.")
+                         description="Generate from a prompt given as argument, --file or stdin.",
+                         epilog=_DRAFTERS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     gen.add_argument("prompt", nargs="?", help="the prompt ('-' or absent: read stdin)")
     gen.add_argument("--file", "-f", help="read the prompt from this file")
     gen.add_argument("--raw", action="store_true",
@@ -103,8 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "same prompts, interleaved, and report speedup, tokens/s, alpha, tau, "
                     "acceptance by draft position, draft cost c, the Leviathan bound and "
                     "efficiency per category; greedy outputs are checked against plain decoding.",
-        epilog="Method specs: plain | ngram[:k=10,min=2,max=3,adaptive=0] | "
-               "draft:path=PATH[,k=5,p_min=0] | oracle:a=0.7[,k=4] | hf | hf-lookup[:k=10] | "
+        epilog="Method specs: plain | any drafter with its options plus k= and adaptive= "
+               "(ngram[:k=10,min=2,max=3,adaptive=0] | suffix | recycle | layerskip[:skip=..] | "
+               "early-exit[:layers=N] | draft:path=PATH[,k=5,p_min=0] | distilled | auto; see "
+               "`speclm generate --help`) | oracle:a=0.7[,k=4] | hf | hf-lookup[:k=10] | "
                "hf-assisted:path=PATH[,k=5] | hf-early-exit[:layers=N,k=5]")
     bench.add_argument("--prompts", help="JSONL of prompts ({'turns': [...], 'category': ...} or "
                                          "{'prompt': ...}); default: speclm's own small set")
@@ -126,8 +145,40 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", "-m", default="default", help="target model (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, float64 or auto")
+    dist = sub.add_parser(
+        "distill", help="make a small draft model for a target (minutes, no data needed)",
+        description="Build a draft model for --target: the target's architecture with --layers "
+                    "decoder layers copied from it, trained on the target's own answers to a "
+                    "built-in prompt set (plus --prompts) to match its next-token distributions. "
+                    "Saves an ordinary transformers folder (config, safetensors, tokenizer) that "
+                    "`--draft-model DIR`, `--drafter distilled` and transformers' "
+                    "generate(assistant_model=...) load.")
+    dist.add_argument("--target", "-m", default="default", help="target model (default: %(default)s)")
+    dist.add_argument("--layers", type=_positive(int), required=True,
+                      help="decoder layers of the draft model (spread over the target's depth)")
+    dist.add_argument("--out", help="output folder (default: the speclm cache, where "
+                                    "`--drafter distilled` finds it)")
+    dist.add_argument("--prompts", action="append", default=[],
+                      help="extra prompt JSONL file(s) in the bench format (repeatable)")
+    dist.add_argument("--num-prompts", type=_positive(int), default=0,
+                      help="use only the first N prompts (default: all)")
+    dist.add_argument("--max-minutes", type=_positive(float), default=15.0,
+                      help="training time bound; target answers are made first (default: %(default)s)")
+    dist.add_argument("--max-steps", type=_positive(int), default=0, help="step bound (default: none)")
+    dist.add_argument("--max-new-tokens", type=_positive(int), default=128,
+                      help="length of each target answer (default: %(default)s)")
+    dist.add_argument("--batch-tokens", type=_positive(int), default=1024,
+                      help="tokens per training step (default: %(default)s)")
+    dist.add_argument("--lr", type=_positive(float), default=3e-4, help="peak learning rate (default: %(default)s)")
+    dist.add_argument("--loss", choices=["kl", "ce"], default="kl",
+                      help="kl: match the target's top-32 distributions; ce: its answer tokens (default: kl)")
+    dist.add_argument("--train-embeddings", action="store_true",
+                      help="also train the embeddings and LM head (default: frozen, the target's)")
+    dist.add_argument("--seed", type=_positive(int), default=0, help="shuffling seed (default: 0)")
+    dist.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     chat = sub.add_parser("chat", help="interactive multi-turn chat, streaming",
-                          description="Chat with the model. Commands: /reset, /stats, /exit.")
+                          description="Chat with the model. Commands: /reset, /stats, /exit.",
+                          epilog=_DRAFTERS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     chat.add_argument("--stats", action="store_true", help="print stats after every answer")
     _add_model_flags(chat)
     return parser
@@ -142,18 +193,19 @@ def _make_llm(args: argparse.Namespace):
     from .api import LLM  # heavy imports only after the flags are known to be valid
 
     from .draft_length import DraftLengthConfig
-    from .drafters import NgramDrafter
+    from .drafters.registry import KINDS, parse_drafter
 
     if args.no_spec:
         spec, default_k = None, 5
     elif args.draft_model:
-        spec, default_k = args.draft_model, 5
+        spec, default_k = args.draft_model, KINDS["draft"].default_k
     else:
-        spec, default_k = "ngram", 10
+        spec = args.drafter or "ngram"
+        default_k = KINDS[parse_drafter(spec).name].default_k
     k = default_k if args.draft_max is None else args.draft_max
     # check every value before spending time on loading models
     DraftLengthConfig(k, args.draft_min, args.adaptive)
-    NgramDrafter(args.ngram_min, args.ngram_max)
+    parse_drafter(f"ngram:min={args.ngram_min},max={args.ngram_max}")
     if not 0.0 <= args.draft_p_min < 1.0:
         raise SpeclmError(f"--draft-p-min must be in [0, 1), got {args.draft_p_min}")
     return LLM(args.model, spec, k, draft_min=args.draft_min, draft_p_min=args.draft_p_min,
@@ -315,7 +367,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise SpeclmError(f"cannot create output folder {args.out!r}: {exc.strerror}") from None
 
     from .api import LLM
-    from .bench.report import markdown, mismatches, summarize_all, write_outputs
+    from .bench.report import drafter_notes, markdown, mismatches, summarize_all, write_outputs
     from .bench.runner import run_bench
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
@@ -325,7 +377,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     header = (f"speclm bench: {len(prompts)} prompts ({', '.join(sorted({p['category'] for p in prompts}))}), "
               f"{sum(len(p['turns']) for p in prompts)} turns, {mode}, max {params.max_tokens} new tokens, "
               f"model {args.model}. Medians over requests; tok/s includes prefill.")
-    table = markdown(summary, header)
+    table = markdown(summary, header, drafter_notes(results))
     print(table)
     bad = mismatches(results)
     for line in bad:
@@ -341,13 +393,52 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 1 if bad else 0  # a greedy mismatch is a bug (or a float near-tie): make it visible
 
 
+def _cmd_distill(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .distill.train import DistillConfig, check_output
+
+    config = DistillConfig(layers=args.layers, max_minutes=args.max_minutes, max_steps=args.max_steps,
+                           max_new_tokens=args.max_new_tokens, batch_tokens=args.batch_tokens,
+                           lr=args.lr, loss=args.loss, train_embeddings=args.train_embeddings,
+                           num_prompts=args.num_prompts, seed=args.seed, extra_prompts=args.prompts)
+    config.check()
+    if args.out:
+        check_output(Path(args.out))
+    from .prompts import load_prompts
+
+    for path in args.prompts:
+        load_prompts(path)  # a bad file fails now, not after the target has answered
+    from .distill import default_distill_dir
+    from .distill.train import distill
+    from .models import load_model
+
+    loaded = load_model(args.target, device=args.device, dtype="float32")
+    out = Path(args.out) if args.out else default_distill_dir(loaded.path, args.layers)
+    check_output(out)
+    figures = distill(loaded.backend.model, loaded.tokenizer, sorted(loaded.backend.eos_token_ids), out,
+                      config, target_path=str(loaded.path))
+    agree = figures["holdout_agreement_before"], figures["holdout_agreement_after"]
+    print(f"wrote {out}\n"
+          f"draft model: {figures['layers']} layers {figures['student_layers']}, "
+          f"{figures['parameters'] / 1e6:.1f}M parameters, {figures['size_bytes'] / 2**20:.0f} MiB\n"
+          f"data: {figures['examples']} target answers, {figures['data_seconds']:.0f} s; training: "
+          f"{figures['steps']} steps in {figures['train_seconds'] / 60:.1f} min, loss "
+          f"{figures['loss_first'] or 0:.3f} -> {figures['loss_last'] or 0:.3f}")
+    if agree[0] is not None:
+        print(f"held-out top-1 agreement with the target: {agree[0]:.2f} before, {agree[1]:.2f} after")
+    print(f"use it: speclm generate --draft-model {out} ...  (or --drafter distilled)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.argv = list(argv)
     start = time.perf_counter()
     try:
-        command = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench}[args.command]
+        command = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": _cmd_bench,
+                   "distill": _cmd_distill}[args.command]
         return command(args)
     except SpeclmError as exc:
         print(f"speclm: error: {exc}", file=sys.stderr)

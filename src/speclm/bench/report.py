@@ -48,7 +48,40 @@ def _fmt(value, pattern: str = "{:.2f}", empty: str = "-") -> str:
     return empty if value is None else pattern.format(value)
 
 
-def markdown(summary: dict, header: str) -> str:
+def drafter_notes(rows: list[dict]) -> list[str]:
+    """One line per method whose drafter reported on itself: for ``auto``, which candidate each
+    request ended on, the rounds each drafted and the median of the rates it measured."""
+    import statistics
+
+    notes = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        reports = [r["drafter_report"] for r in rows if r["method"] == method and r.get("drafter_report")]
+        if not reports:
+            continue
+        if "choice" not in reports[-1]:
+            notes.append(f"- {method}: {reports[-1].get('summary', '')}")
+            continue
+        choices: dict[str, int] = {}
+        rounds: dict[str, int] = {}
+        rates: dict[str, list[float]] = {}
+        for rep in reports:
+            choices[str(rep["choice"])] = choices.get(str(rep["choice"]), 0) + 1
+            for name, count in rep["rounds"].items():
+                rounds[name] = rounds.get(name, 0) + count
+            for name, figures in rep["rates"].items():
+                rates.setdefault(name, []).append(figures["tok_s"])
+        switches = sum(1 for rep in reports for d in rep["decisions"] if "switch" in d["reason"])
+        notes.append(
+            f"- {method}: choice at the end of each request: "
+            + ", ".join(f"{n} {c}x" for n, c in sorted(choices.items(), key=lambda x: -x[1]))
+            + "; rounds drafted: " + ", ".join(f"{n} {c}" for n, c in sorted(rounds.items(), key=lambda x: -x[1]))
+            + "; median measured tok/s: " + ", ".join(
+                f"{n} {statistics.median(v):.1f}" for n, v in sorted(rates.items(), key=lambda x: -statistics.median(x[1])))
+            + f"; {switches} switch(es)")
+    return notes
+
+
+def markdown(summary: dict, header: str, notes: list[str] | None = None) -> str:
     lines = [header, "",
              "| method | category | requests | median tok/s | median speedup | decode speedup "
              "| alpha | alpha/token | tau | c | bound | efficiency | identical | errors |",
@@ -70,6 +103,8 @@ def markdown(summary: dict, header: str) -> str:
         if rates:
             cells = [f"{r:.2f}" for r in rates[:10]] + [""] * (10 - min(10, len(rates)))
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    if notes:
+        lines += ["", "Drafters' own reports:", "", *notes]
     lines += ["", "Columns: median speedup = median over requests of tok/s ÷ plain's tok/s on the same "
               "request, prefill included; decode speedup = pooled decode tokens/s ÷ plain's, "
               "prefill excluded (speclm methods only); alpha = accepted ÷ drafted; alpha/token = "
