@@ -99,6 +99,21 @@ def model_dirs(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
     return dirs
 
 
+@pytest.fixture(autouse=True)
+def _one_thread_for_tiny_models(request):
+    """Tiny models gain nothing from intra-op threads, and on a shared machine the spinning of
+    idle threads makes them many times slower; real-model tests keep torch's default."""
+    if request.node.get_closest_marker("real_model"):
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def pytest_addoption(parser):
     parser.addoption("--spec-bench", default=None,
                      help="path to Spec-Bench question.jsonl (default: ../shared/data/spec_bench/)")

@@ -1,9 +1,12 @@
 """End-to-end losslessness of every drafter on tiny float64 models.
 
-- greedy: speculative output == plain greedy output, token for token, over many prompts and K;
+- greedy: speculative output == plain greedy output, token for token, over many prompts and K,
+  for every drafter (prompt lookup, draft models, layer skipping, early exit, token recycling,
+  suffix matching, automatic choice);
 - a draft model equal to the target accepts every token (tau == K + 1);
 - sampling: the distribution of short generated sequences matches the target's exact one
-  (chi-square against the enumerated distribution), for a draft model and for prompt lookup.
+  (chi-square against the enumerated distribution), for drafters that produce q (draft models,
+  layer skipping) and deterministic ones (prompt lookup, recycling, suffix matching, auto).
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from scipy.stats import chisquare
 from speclm.draft_length import DraftLengthConfig
 from speclm.drafters import DraftModelDrafter, NgramDrafter
 from speclm.drafters.tree_search import TreeShape
+from speclm.drafters.auto import AutoDrafter, NoDrafter
+from speclm.drafters.layer_skip import LayerSkipDrafter
+from speclm.drafters.recycle import RecycleDrafter
+from speclm.drafters.suffix import SuffixDrafter
 from speclm.engine import generate_tokens
 from speclm.sampling import SamplingParams, warp_probs
 from speclm.stats import RequestStats
@@ -28,7 +35,7 @@ VOCAB = 96
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_model(VOCAB, seed=10)
+    return tiny_model(VOCAB, seed=10, seed_layers=4)
 
 
 def run(lm, prompt, params, drafter=None, config=None, gen=None):
@@ -49,10 +56,16 @@ def prompts(n, seed=0):
     return out
 
 
-def drafters(target_model):
-    """Every drafter kind, with settings that give partial acceptance."""
+def drafters(target_model, lm):
+    """Every drafter kind, with settings that give partial acceptance. Layer skipping runs on
+    ``lm`` itself (the target's own cache); learners (recycling, suffix) are made once and keep
+    learning over the requests of a test, as they do in a session."""
     draft_lm = backend(noisy_copy(target_model, 0.08, seed=3))
     unrelated = backend(tiny_model(VOCAB, seed=11))
+    recycle, suffix = RecycleDrafter(VOCAB, 4), SuffixDrafter(capacity=256)
+    auto = AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 3), 6),
+                        "recycle": (RecycleDrafter(VOCAB, 4), 4),
+                        "layerskip": (LayerSkipDrafter(lm, [2]), 3)}, probe_rounds=2, reprobe_every=12)
     return {
         "ngram[1..3]": lambda: NgramDrafter(1, 3),
         "ngram[2..4]": lambda: NgramDrafter(2, 4),
@@ -61,15 +74,26 @@ def drafters(target_model):
         "unrelated-draft": lambda: DraftModelDrafter(unrelated, VOCAB),
         "draft-model-tree": lambda: DraftModelDrafter(draft_lm, VOCAB, tree=TreeShape(top_k=3, budget=10)),
         "unrelated-tree": lambda: DraftModelDrafter(unrelated, VOCAB, tree=TreeShape(top_k=2, budget=5)),
+        "layerskip": lambda: LayerSkipDrafter(lm, [1, 2]),
+        "layerskip-p_min": lambda: LayerSkipDrafter(lm, [2], p_min=0.3),
+        "early-exit": lambda: LayerSkipDrafter.early_exit(lm, 2),
+        "skip-first-layer": lambda: LayerSkipDrafter(lm, [0]),
+        "recycle": lambda: recycle,
+        "suffix": lambda: suffix,
+        "auto": lambda: auto,
     }
 
 
-@pytest.mark.parametrize("name", ["ngram[1..3]", "ngram[2..4]", "draft-model", "draft-model-p_min",
-                                  "unrelated-draft", "draft-model-tree", "unrelated-tree"])
+DRAFTERS = ["ngram[1..3]", "ngram[2..4]", "draft-model", "draft-model-p_min", "unrelated-draft",
+            "layerskip", "layerskip-p_min", "early-exit", "skip-first-layer", "recycle", "suffix", "auto",
+            "draft-model-tree", "unrelated-tree"]
+
+
+@pytest.mark.parametrize("name", DRAFTERS)
 @pytest.mark.parametrize("k", [1, 3, 6])
 def test_greedy_identity(target, name, k):
     lm = backend(target)
-    make = drafters(target)[name]
+    make = drafters(target, lm)[name]
     greedy = SamplingParams(max_tokens=40, ignore_eos=True)
     total_accepted = 0
     for i, prompt in enumerate(prompts(12, seed=k)):
@@ -79,7 +103,7 @@ def test_greedy_identity(target, name, k):
         assert spec == plain, f"prompt {i}: speculative output diverged from plain greedy"
         assert stats.generated_tokens == len(plain) == 40
         total_accepted += stats.accepted_tokens
-    if not name.startswith("unrelated"):
+    if name not in ("unrelated-draft", "unrelated-tree", "skip-first-layer"):
         assert total_accepted > 0  # the comparison exercised accept paths, not only rejections
 
 
@@ -115,9 +139,12 @@ def exact_sequence_distribution(model, prompt, length, params):
     return probs.flatten()
 
 
-@pytest.mark.parametrize("kind", ["draft-model", "draft-model-p_min", "ngram", "draft-model-tree"])
+@pytest.mark.parametrize("kind", ["draft-model", "draft-model-p_min", "ngram", "layerskip",
+                                  "recycle", "suffix", "auto", "draft-model-tree"])
 def test_sampling_matches_target_distribution(kind):
-    """Three tokens per request with K = 2, so one round can accept both drafts plus a bonus."""
+    """Three tokens per request with K = 2, so one round can accept both drafts plus a bonus.
+    Learners (recycling, suffix, auto) keep their state from request to request: each draft is
+    a function of what came before, which is all losslessness asks."""
     vocab, length, n = 5, 3, 2500
     target_model = tiny_model(vocab, seed=20)
     lm = backend(target_model)
@@ -139,6 +166,16 @@ def test_sampling_matches_target_distribution(kind):
         tree = TreeShape(top_k=2, budget=5) if kind.endswith("tree") else None
         drafter = DraftModelDrafter(backend(draft_model), vocab, p_min=p_min, tree=tree)
         config = DraftLengthConfig(draft_max=2, draft_min=2 if p_min else 0)
+    elif kind == "layerskip":  # layer 0, the norm and the LM head: q from a shallower model
+        drafter = LayerSkipDrafter(lm, [1])
+    elif kind == "recycle":
+        drafter = RecycleDrafter(vocab, 2)
+    elif kind == "suffix":
+        drafter = SuffixDrafter(capacity=64, factor=0)
+    elif kind == "auto":
+        drafter = AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 2), 2),
+                               "recycle": (RecycleDrafter(vocab, 2), 2),
+                               "layerskip": (LayerSkipDrafter(lm, [1]), 2)}, probe_rounds=2, reprobe_every=8)
     else:
         drafter = NgramDrafter(1, 2)
     gen = torch.Generator().manual_seed(1234)

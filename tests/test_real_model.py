@@ -57,3 +57,19 @@ def test_self_draft_greedy_identity(llm, prompts):
         spec = llm.chat(messages, params, speculative=selfdraft)
         assert spec.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
         assert spec.stats.alpha > 0.9  # float32 rounding may flip a rare near-tie in the draft
+
+
+@pytest.mark.parametrize("text", ["layerskip:skip=12-15", "early-exit:layers=20", "recycle", "suffix"])
+def test_training_free_drafters_greedy_identity(llm, prompts, text):
+    spec = llm.make_speculation(text)
+    if hasattr(spec.drafter, "subset"):
+        assert spec.drafter.subset.target is llm.target  # self-speculation: no second model
+    params = SamplingParams(max_tokens=24)
+    accepted = 0
+    for p in prompts[:3]:
+        messages = [{"role": "user", "content": p["turns"][0]}]
+        plain = llm.chat(messages, params, speculative=False)
+        out = llm.chat(messages, params, speculative=spec)
+        assert out.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
+        accepted += out.stats.accepted_tokens
+    assert accepted > 0

@@ -15,12 +15,14 @@ import torch
 
 from .detokenize import IncrementalDetokenizer
 from .draft_length import DraftLengthConfig
-from .drafters import DraftModelDrafter, Drafter, NgramDrafter, check_vocab_compatible
+from .drafters import DraftModelDrafter, Drafter, check_vocab_compatible
+from .drafters.registry import KINDS, BuildContext, build_drafter, drafter_label, is_drafter_spec, parse_drafter
 from .engine import generate_tokens
 from .errors import SpeclmError
 from .models import LoadedModel, load_model
 from .models.loading import resolve_model_path
 from .sampling import SamplingParams
+from .specs import OptionString
 from .stats import RequestStats
 
 Message = dict[str, str]
@@ -58,9 +60,13 @@ class LLM:
 
     Args:
         model: ``"default"`` (embedded SmolLM2-135M-Instruct), an HF model folder, or a GGUF file.
-        speculative_model: ``None`` (plain decoding), ``"ngram"`` (prompt lookup), a draft model
-            (folder, GGUF file or ``"default"``) sharing the target's tokenizer, or a ``Drafter``.
-        num_speculative_tokens: K, the most tokens drafted per round (``--draft-max``).
+        speculative_model: ``None`` (plain decoding); a drafter by name with options, as in
+            ``--drafter`` (``"ngram"``, ``"suffix"``, ``"recycle"``, ``"layerskip"``,
+            ``"layerskip:skip=3,5-9"``, ``"early-exit:layers=10"``, ``"distilled"``, ``"auto"``,
+            ...; see ``speclm.drafters.registry``); a draft model (folder, GGUF file or
+            ``"default"``) sharing the target's tokenizer; or a ``Drafter`` object.
+        num_speculative_tokens: K, the most tokens drafted per round (``--draft-max``); None
+            takes the drafter's own default (10 for prompt lookup, 5 for a draft model, ...).
         draft_min: drafts shorter than this are dropped (``--draft-min``).
         draft_p_min: a draft model stops when its top probability falls below this.
         adaptive_draft: choose K each round from measured acceptance and costs.
@@ -73,7 +79,7 @@ class LLM:
         self,
         model: str | None = "default",
         speculative_model: str | Drafter | None = None,
-        num_speculative_tokens: int = 5,
+        num_speculative_tokens: int | None = None,
         *,
         draft_min: int = 0,
         draft_p_min: float = 0.0,
@@ -96,8 +102,8 @@ class LLM:
 
     def make_speculation(
         self,
-        speculative_model: str | Drafter | None,
-        num_speculative_tokens: int = 5,
+        speculative_model: str | OptionString | Drafter | None,
+        num_speculative_tokens: int | None = None,
         *,
         draft_min: int = 0,
         draft_p_min: float = 0.0,
@@ -105,23 +111,34 @@ class LLM:
         ngram_min: int = 2,
         ngram_max: int = 3,
     ) -> Speculation | None:
-        """Build a drafter setup for this target (arguments as in the constructor).
+        """Build a drafter setup for this target (arguments as in the constructor; a parsed
+        drafter spec from ``speclm.drafters.registry.parse_drafter`` is also accepted).
 
         Pass the result to :meth:`stream` to run several setups over one loaded target.
         """
-        draft_length = DraftLengthConfig(num_speculative_tokens, draft_min, adaptive_draft)
         if speculative_model is None:
             return None
         if isinstance(speculative_model, Drafter):
+            draft_length = DraftLengthConfig(5 if num_speculative_tokens is None else num_speculative_tokens,
+                                             draft_min, adaptive_draft)
             return Speculation(speculative_model, draft_length, type(speculative_model).__name__)
-        if speculative_model == "ngram":
-            return Speculation(NgramDrafter(ngram_min, ngram_max), draft_length,
-                               f"ngram[{ngram_min}..{ngram_max}]")
-        if isinstance(speculative_model, str):
-            drafter = self._load_draft_model(speculative_model, draft_p_min)
-            return Speculation(drafter, draft_length, f"draft:{speculative_model}")
-        raise SpeclmError(f"speculative_model must be None, 'ngram', a path or a Drafter, "
-                          f"got {type(speculative_model).__name__}")
+        if isinstance(speculative_model, OptionString):
+            spec = speculative_model
+        elif isinstance(speculative_model, str) and is_drafter_spec(speculative_model):
+            spec = parse_drafter(speculative_model, defaults={"min": ngram_min, "max": ngram_max,
+                                                              "p_min": draft_p_min})
+        elif isinstance(speculative_model, str):  # a draft model: folder, GGUF file or "default"
+            options = {"path": speculative_model, "p_min": draft_p_min}
+            KINDS["draft"].check(options)
+            spec = OptionString(f"draft:{speculative_model}", "draft", options)
+        else:
+            raise SpeclmError(f"speculative_model must be None, a drafter name, a path or a Drafter, "
+                              f"got {type(speculative_model).__name__}")
+        k = KINDS[spec.name].default_k if num_speculative_tokens is None else num_speculative_tokens
+        draft_length = DraftLengthConfig(k, draft_min, adaptive_draft)  # checked before building
+        drafter = build_drafter(spec, BuildContext(self.target, self.tokenizer, self._loaded.path,
+                                                   self._load_draft_model))
+        return Speculation(drafter, draft_length, drafter_label(spec))
 
     def _load_draft_model(self, spec: str, p_min: float) -> DraftModelDrafter:
         if resolve_model_path(spec) == self._loaded.path:  # self-drafting: share the weights

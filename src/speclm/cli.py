@@ -12,11 +12,24 @@ import sys
 import time
 
 from .bench import command as bench_command
+from .distill import command as distill_command
 from .learned import command as train_command
 from .errors import SpeclmError
 from .sampling import SamplingParams
 
 EXIT_USAGE = 2
+_DRAFTERS_HELP = """drafters (--drafter NAME[:key=value,...]):
+  ngram[:min=2,max=3]             prompt lookup in the request's own text (the default)
+  suffix[:capacity=262144,factor=1]  suffix matching over every prompt and output of the session
+  recycle[:topk=8]                token recycling: the target's own top-k from earlier verifies
+  layerskip[:skip=3,5-9]          the target minus some layers; without skip= the set is searched
+                                  for this model once (minutes; measured speedup; cached)
+  early-exit[:layers=N]           the target's first N layers (default: a third)
+  draft:path=DIR[,p_min=P]        a smaller model with the target's tokenizer (= --draft-model)
+  distilled[:path=DIR]            the draft model `speclm distill` made for this target
+  auto[:candidates=a,b,...]       measure candidates on the live requests, keep the fastest
+                                  (default: none, ngram, suffix, recycle, plus layerskip and
+                                  distilled where already prepared for this model)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,10 +64,14 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     which.add_argument("--draft-model", metavar="PATH",
                        help="draft with a smaller model sharing the target's tokenizer "
                             "(HF folder, .gguf, or 'default')")
+    which.add_argument("--drafter", metavar="NAME[:OPTS]",
+                       help="a drafter by name: ngram, suffix, recycle, layerskip[:skip=3,5-9], "
+                            "early-exit[:layers=N], draft:path=DIR, distilled, auto (see below)")
     which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
     d.add_argument("--draft-max", type=_positive(int), default=None,
-                   help="K, most tokens drafted per round (default: 5 for a draft model, "
-                        "10 for --ngram, whose drafts cost nothing)")
+                   help="K, most tokens drafted per round (default: the drafter's own: 10 for "
+                        "--ngram, suffix and auto, whose drafts cost little; 6 for recycle; 5 for "
+                        "a draft model; 3 for layerskip and early-exit)")
     d.add_argument("--draft-min", type=_positive(int), default=0,
                    help="drop drafts shorter than this (default: %(default)s)")
     d.add_argument("--draft-p-min", type=_positive(float), default=0.0,
@@ -87,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = sub.add_parser("generate", help="generate from one prompt, streaming, then print stats",
-                         description="Generate from a prompt given as argument, --file or stdin.")
+                         description="Generate from a prompt given as argument, --file or stdin.",
+                         epilog=_DRAFTERS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     gen.add_argument("prompt", nargs="?", help="the prompt ('-' or absent: read stdin)")
     gen.add_argument("--file", "-f", help="read the prompt from this file")
     gen.add_argument("--raw", action="store_true",
@@ -100,9 +118,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--quiet", "-q", action="store_true", help="do not print stats")
     _add_model_flags(gen)
     bench_command.add_parser(sub, _positive)
+    distill_command.add_parser(sub, _positive)
     train_command.add_parser(sub, _positive)
     chat = sub.add_parser("chat", help="interactive multi-turn chat, streaming",
-                          description="Chat with the model. Commands: /reset, /stats, /exit.")
+                          description="Chat with the model. Commands: /reset, /stats, /exit.",
+                          epilog=_DRAFTERS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     chat.add_argument("--stats", action="store_true", help="print stats after every answer")
     _add_model_flags(chat)
     return parser
@@ -117,18 +137,19 @@ def _make_llm(args: argparse.Namespace):
     from .api import LLM  # heavy imports only after the flags are known to be valid
 
     from .draft_length import DraftLengthConfig
-    from .drafters import NgramDrafter
+    from .drafters.registry import KINDS, parse_drafter
 
     if args.no_spec:
         spec, default_k = None, 5
     elif args.draft_model:
-        spec, default_k = args.draft_model, 5
+        spec, default_k = args.draft_model, KINDS["draft"].default_k
     else:
-        spec, default_k = "ngram", 10
+        spec = args.drafter or "ngram"
+        default_k = KINDS[parse_drafter(spec).name].default_k
     k = default_k if args.draft_max is None else args.draft_max
     # check every value before spending time on loading models
     DraftLengthConfig(k, args.draft_min, args.adaptive)
-    NgramDrafter(args.ngram_min, args.ngram_max)
+    parse_drafter(f"ngram:min={args.ngram_min},max={args.ngram_max}")
     if not 0.0 <= args.draft_p_min < 1.0:
         raise SpeclmError(f"--draft-p-min must be in [0, 1), got {args.draft_p_min}")
     return LLM(args.model, spec, k, draft_min=args.draft_min, draft_p_min=args.draft_p_min,
@@ -271,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         command = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": bench_command.run,
-                   "train-drafter": train_command.run}[args.command]
+                   "distill": distill_command.run, "train-drafter": train_command.run}[args.command]
         return command(args)
     except SpeclmError as exc:
         print(f"speclm: error: {exc}", file=sys.stderr)

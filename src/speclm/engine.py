@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from .draft_length import DraftLengthConfig, DraftLengthPolicy
-from .drafters.base import Draft, DraftContext, Drafter
+from .drafters.base import Draft, DraftContext, Drafter, drafter_report, wanted_target_topk
 from .errors import SpeclmError
 from .models.base import CausalLM
 from .sampling import SamplingParams
@@ -71,6 +71,7 @@ def generate_tokens(
     config = draft_length or DraftLengthConfig()
     policy = DraftLengthPolicy(config) if drafter is not None else None
     feature_layers = getattr(drafter, "feature_layers", None) if drafter is not None else None
+    feedback_k = min(wanted_target_topk(drafter), target.vocab_size)  # 0 unless the drafter asks
     gen = generator if generator is not None else params.make_generator(target.device)
     prompt_ids = prompt_ids.detach().to("cpu", torch.long).flatten()
     n = prompt_ids.shape[0]
@@ -116,16 +117,20 @@ def generate_tokens(
             # -- verify --------------------------------------------------------------------
             fed = torch.cat([tokens[n - 1 : n], draft.tokens.cpu()])  # [k + 1]
             out = target.forward(fed, n - 1, num_logits=k + 1, tree=draft.tree,
-                                 return_hidden=(feature_layers or False) if proposed else False)
+                                 return_hidden=feature_layers or False)
             verdict = verify(out.logits, draft.to(out.logits.device), params, gen)  # logits [k + 1, V]
+            # queued before the sync, so a drafter's feedback costs no extra sync: [k + 1, t]
+            target_topk = out.logits.topk(feedback_k, dim=-1).indices if feedback_k else None
             result = torch.cat([verdict.num_accepted.view(1), verdict.tokens, verdict.path]).tolist()  # sync
             num_accepted, emitted = result[0], result[1 : result[0] + 2]
             path = result[k + 2 : k + 2 + num_accepted]  # accepted node indices, in order
             target.compact(n, path)  # keeps [0, n) and the accepted nodes' entries
+            if feature_layers:  # every round: rows of the pending token and the accepted nodes
+                drafter.on_target_features(_features(out, feature_layers, [0] + [i + 1 for i in path]))
             if proposed:
-                if feature_layers:  # rows of the pending token and the accepted nodes
-                    drafter.on_target_features(_features(out, feature_layers, [0] + [i + 1 for i in path]))
                 drafter.on_verified(num_accepted, emitted)
+            if target_topk is not None:
+                drafter.on_target_topk(fed, target_topk)
             t2 = time.perf_counter()
             stats.draft_time_s += t1 - t0
             stats.target_time_s += t2 - t1
@@ -150,3 +155,4 @@ def generate_tokens(
                 return
     finally:
         stats.total_time_s = time.perf_counter() - start
+        stats.drafter_report = drafter_report(drafter)

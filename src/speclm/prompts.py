@@ -43,6 +43,19 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
     return rows
 
 
+def encode_user_turn(tokenizer, text: str, max_len: int | None = None) -> list[int]:
+    """Token ids of ``text`` as one user message through the chat template (plain text when the
+    tokenizer has none), keeping the last ``max_len`` tokens: how calibration and distillation
+    present speclm's prompt sets to a model."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+    return ids[-max_len:] if max_len else ids
+
+
 def per_category(rows: list[dict], num: int, categories: list[str] | None = None) -> list[dict]:
     """``num`` prompts of each category (optionally only ``categories``); within a category,
     round-robin over sub-categories (MT-bench's writing, roleplay, ...), in file order."""

@@ -20,6 +20,8 @@ class RequestStats:
     target_time_s: float = 0.0  # decode-time target forwards + verification
     total_time_s: float = 0.0
     drafter: str = "none"
+    drafter_report: dict | None = None  # the drafter's own account of the request (see
+    #   drafters/base.py): e.g. which drafter ``auto`` chose, when and why, with measured rates
 
     def record_round(self, drafted: int, accepted: int, depth: int | None = None) -> None:
         """One target forward that judged ``drafted`` tokens (tree nodes) reaching ``depth``
@@ -81,4 +83,10 @@ class RequestStats:
         if self.judged_per_position:
             rates = " ".join(f"{r:.2f}" for r in self.acceptance_by_position)
             lines.append(f"acceptance by draft position: {rates}")
+        report = self.drafter_report or {}
+        if report.get("summary"):
+            lines.append(f"drafter: {report['summary']}")
+        for d in report.get("decisions", []):
+            rates = ", ".join(f"{name} {rate:.1f}" for name, rate in d["rates"].items())
+            lines.append(f"  round {d['round']}: {d['action']} ({d['reason']}); tok/s {rates or '-'}")
         return "\n".join(lines)

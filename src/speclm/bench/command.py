@@ -11,11 +11,13 @@ from ..sampling import SamplingParams
 from .methods import MethodSpec, parse_method
 
 DEFAULT_METHODS = ["plain", "ngram", "hf", "hf-lookup"]
-METHOD_HELP = ("Method specs: plain | ngram[:k=10,min=2,max=3,adaptive=0] | draft:path=PATH[,k=5,p_min=0] "
-               "| oracle:a=0.7[,k=4] | hf | hf-lookup[:k=10] | hf-assisted:path=PATH[,k=5] | "
-               "hf-early-exit[:layers=N,k=5]. Models: 'default', an HF folder, a .gguf file, or "
-               "random:PRESET / random:CONFIG.json (random weights, for oracle runs on any shape; "
-               "presets: %s).")
+METHOD_HELP = ("Method specs: plain | any drafter with its options plus k= and adaptive= "
+               "(ngram[:k=10,min=2,max=3] | suffix | recycle | layerskip[:skip=..] | early-exit[:layers=N] "
+               "| draft:path=PATH[,k=5,p_min=0] | distilled | medusa:path=DIR | eagle:path=DIR | auto; "
+               "see `speclm generate --help`) | oracle:a=0.7[,k=4] | hf | hf-lookup[:k=10] | "
+               "hf-assisted:path=PATH[,k=5] | hf-early-exit[:layers=N,k=5]. Models: 'default', an HF "
+               "folder, a .gguf file, or random:PRESET / random:CONFIG.json (random weights, for oracle "
+               "runs on any shape; presets: %s).")
 
 
 def add_parser(sub, number) -> argparse.ArgumentParser:
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             raise SpeclmError(f"cannot create output folder {args.out!r}: {exc.strerror}") from None
 
     from ..api import LLM
-    from .report import markdown, mismatches, summarize_all, write_outputs
+    from .report import drafter_notes, markdown, mismatches, summarize_all, write_outputs
     from .runner import run_bench
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
               f"{sum(len(p['turns']) for p in prompts)} turns, {mode}, max {params.max_tokens} new tokens, "
               f"model {args.model} ({str(llm.target.dtype).removeprefix('torch.')} on {llm.target.device}). "
               "Medians over requests; tok/s includes prefill.")
-    table = markdown(summary, header, specs)
+    table = markdown(summary, header, specs, drafter_notes(results))
     print(table)
     bad = mismatches(results)
     for line in bad:

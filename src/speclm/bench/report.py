@@ -51,6 +51,39 @@ def _fmt(value, pattern: str = "{:.2f}", empty: str = "-") -> str:
     return empty if value is None else pattern.format(value)
 
 
+def drafter_notes(rows: list[dict]) -> list[str]:
+    """One line per method whose drafter reported on itself: for ``auto``, which candidate each
+    request ended on, the rounds each drafted and the median of the rates it measured."""
+    import statistics
+
+    notes = []
+    for method in dict.fromkeys(r["method"] for r in rows):
+        reports = [r["drafter_report"] for r in rows if r["method"] == method and r.get("drafter_report")]
+        if not reports:
+            continue
+        if "choice" not in reports[-1]:
+            notes.append(f"- {method}: {reports[-1].get('summary', '')}")
+            continue
+        choices: dict[str, int] = {}
+        rounds: dict[str, int] = {}
+        rates: dict[str, list[float]] = {}
+        for rep in reports:
+            choices[str(rep["choice"])] = choices.get(str(rep["choice"]), 0) + 1
+            for name, count in rep["rounds"].items():
+                rounds[name] = rounds.get(name, 0) + count
+            for name, figures in rep["rates"].items():
+                rates.setdefault(name, []).append(figures["tok_s"])
+        switches = sum(1 for rep in reports for d in rep["decisions"] if "switch" in d["reason"])
+        notes.append(
+            f"- {method}: choice at the end of each request: "
+            + ", ".join(f"{n} {c}x" for n, c in sorted(choices.items(), key=lambda x: -x[1]))
+            + "; rounds drafted: " + ", ".join(f"{n} {c}" for n, c in sorted(rounds.items(), key=lambda x: -x[1]))
+            + "; median measured tok/s: " + ", ".join(
+                f"{n} {statistics.median(v):.1f}" for n, v in sorted(rates.items(), key=lambda x: -statistics.median(x[1])))
+            + f"; {switches} switch(es)")
+    return notes
+
+
 _COLUMNS = [  # (header, key, format)
     ("requests", "requests", "{}"), ("median tok/s", "tok_s", "{:.1f}"),
     ("median speedup", "speedup", "{:.2f}x"), ("decode speedup", "decode_speedup", "{:.2f}x"),
@@ -78,7 +111,8 @@ def _cells(fig: dict, columns: list) -> str:
     return " | ".join(_fmt(fig.get(key), pattern) for _, key, pattern in columns)
 
 
-def markdown(summary: dict, header: str, specs: list[MethodSpec] | None = None) -> str:
+def markdown(summary: dict, header: str, specs: list[MethodSpec] | None = None,
+             notes: list[str] | None = None) -> str:
     """The terminal/results.md report: per method and category, acceptance by position, oracle sweep."""
     lines = [header, "",
              "| method | category | " + " | ".join(h for h, _, _ in _COLUMNS) + " | identical | errors |",
@@ -104,6 +138,8 @@ def markdown(summary: dict, header: str, specs: list[MethodSpec] | None = None) 
         for spec in sorted(oracles, key=lambda s: (s.options["a"], s.k)):
             fig = summary[spec.label].get("all", {})
             lines.append(f"| {spec.options['a']:g} | {spec.k} | {_cells(fig, _ORACLE_COLUMNS)} |")
+    if notes:
+        lines += ["", "Drafters' own reports:", "", *notes]
     lines += ["", LEGEND]
     return "\n".join(lines) + "\n"
 

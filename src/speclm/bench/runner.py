@@ -32,12 +32,8 @@ def build_setups(llm: LLM, specs: list[MethodSpec]) -> dict[str, object]:
         o = spec.options
         if spec.name == "plain":
             setups[spec.label] = False
-        elif spec.name == "ngram":
-            setups[spec.label] = llm.make_speculation(
-                "ngram", o["k"], ngram_min=o["min"], ngram_max=o["max"], adaptive_draft=bool(o["adaptive"]))
-        elif spec.name == "draft":
-            setups[spec.label] = llm.make_speculation(
-                o["path"], o["k"], draft_p_min=o["p_min"], adaptive_draft=bool(o["adaptive"]))
+        elif spec.drafter is not None:
+            setups[spec.label] = llm.make_speculation(spec.drafter, o["k"], adaptive_draft=bool(o["adaptive"]))
         elif spec.name == "oracle":
             drafter = OracleDrafter(o["a"], llm.target.vocab_size, seed=o["seed"])
             setups[spec.label] = Speculation(drafter, DraftLengthConfig(o["k"]), spec.label)
@@ -61,6 +57,8 @@ def _run_one(llm: LLM, setup, messages: list[dict], params: SamplingParams) -> d
     row = dict(token_ids=out.token_ids, text=out.text, tokens=s.generated_tokens,
                prompt_tokens=s.prompt_tokens, time_s=s.total_time_s, tok_s=s.tokens_per_s,
                prefill_s=s.prefill_time_s)
+    if s.drafter_report is not None:
+        row["drafter_report"] = s.drafter_report
     if setup is not False:
         row.update(forwards=s.target_forwards, drafted=s.drafted_tokens, accepted=s.accepted_tokens,
                    draft_s=s.draft_time_s, target_s=s.target_time_s,

@@ -7,13 +7,24 @@ and the engine reports the verdict back through :meth:`Drafter.on_verified`.
 A draft is a chain of tokens, or a token tree (:class:`~speclm.tree.TreeMeta`: a parent index per
 token). A chain is the tree whose parents are ``[-1, 0, 1, ...]``, so one verifier serves both.
 
-Optional capabilities, found by attribute (a drafter without them is a plain :class:`Drafter`):
+Optional members, looked up with ``getattr`` so that a drafter without them costs nothing:
 
 - ``feature_layers: tuple[int, ...]``: indices into the target's hidden states (0 = embeddings,
   -1 = the last layer after the final norm) that the drafter reads. The engine then calls
   ``on_target_features(features)`` with ``[T, len(feature_layers) * H]`` for every position it
   commits, in order: the prompt's positions after prefill (all but the pending token), then, each
   round before ``on_verified``, the pending token's and the accepted tokens' positions.
+- ``wants_target_topk: int`` (> 0) asks for the target's own top candidates. After every round
+  (drafted or not) the engine calls ``on_target_topk(fed, topk_ids)`` with the tokens the target
+  ran (``fed`` [k + 1], on the CPU) and the ids of its ``wants_target_topk`` most likely next
+  tokens after each of them (``topk_ids`` [k + 1, t], on the target's device). The top-k is taken
+  on the device before the round's one host sync, so asking adds no sync; not asking adds no work.
+  Token recycling learns its candidate table from this.
+- ``report() -> dict``: a few figures about the request that just ended (which drafter an
+  automatic choice used, a layer set, an index size), copied into ``RequestStats.drafter_report``.
+- ``observe(token_ids)``: the final tokens (prompt + output) of the request this drafter was last
+  reset for, rounds it was not asked to draft included. Wrappers that choose among drafters call
+  it so that drafters which learn from the session's text (suffix matching) see every token.
 """
 
 from __future__ import annotations
@@ -79,5 +90,17 @@ class Drafter(Protocol):
         """Propose up to ``ctx.max_tokens`` tokens continuing ``ctx.token_ids``."""
 
     def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
-        """Called after each round in which ``propose`` was called: the draft's first ``num_accepted`` tokens were accepted; ``emitted`` are the
-        tokens committed this round (accepted ones, then the recovered or bonus token)."""
+        """Called after each round in which ``propose`` was called: the draft's first
+        ``num_accepted`` tokens were accepted; ``emitted`` are the tokens committed this round
+        (accepted ones, then the recovered or bonus token)."""
+
+
+def wanted_target_topk(drafter: object | None) -> int:
+    """How many target candidates per position ``drafter`` asks for (0: none; see above)."""
+    return max(0, int(getattr(drafter, "wants_target_topk", 0) or 0)) if drafter is not None else 0
+
+
+def drafter_report(drafter: object | None) -> dict | None:
+    """The drafter's ``report()`` for the request that just ended, if it has one."""
+    report = getattr(drafter, "report", None)
+    return report() if callable(report) else None

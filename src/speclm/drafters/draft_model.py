@@ -14,6 +14,8 @@ rejected, and each one costs a draft forward.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..errors import SpeclmError
@@ -35,6 +37,44 @@ def check_vocab_compatible(target_tokenizer: object, draft_tokenizer: object) ->
         f"{len(target_vocab)} tokens, {differing} target tokens missing or renumbered); "
         "a draft model must share the target's vocabulary"
     )
+
+
+def draft_chain(
+    logits: torch.Tensor,
+    max_tokens: int,
+    ctx: DraftContext,
+    step: Callable[[torch.Tensor, int], torch.Tensor],
+    p_min: float = 0.0,
+) -> Draft:
+    """Draft up to ``max_tokens`` tokens autoregressively, one model call per token after the first.
+
+    ``logits`` [1, V] predict the first draft token; ``step(token [1], i)`` feeds draft token i
+    (0-based) to the model and returns the logits [1, V] for token i + 1. Greedy requests take
+    the argmax (q is then one-hot and not returned); sampling draws from q = warp(logits) with
+    the target's warp and returns the q rows for the verifier. ``p_min > 0`` stops at the first
+    token whose top probability is below it (one host sync per token, so only when asked).
+    """
+    params = ctx.params
+    tokens: list[torch.Tensor] = []  # each [1]
+    q_rows: list[torch.Tensor] = []  # each [1, V]; sampling only (greedy needs no q)
+    for i in range(max_tokens):
+        if params.greedy:
+            q, token = None, logits.argmax(-1)  # [1]
+        else:
+            q = warp_probs(logits, params)  # [1, V], the same warp as the target's p
+            token = sample_token(q, ctx.generator)
+        if p_min > 0:
+            confidence = q if q is not None else torch.softmax(logits.float(), -1)
+            if float(confidence.max()) < p_min:
+                break
+        tokens.append(token)
+        if q is not None:
+            q_rows.append(q)
+        if i + 1 < max_tokens:
+            logits = step(token, i)
+    if not tokens:
+        return Draft.empty(logits.device)
+    return Draft(torch.cat(tokens), torch.cat(q_rows) if q_rows else None)  # [k], q: [k, V]
 
 
 class DraftModelDrafter:
@@ -84,36 +124,19 @@ class DraftModelDrafter:
             self._round_start = self._synced  # nothing fed: on_verified keeps the cache as is
             return Draft.empty(ids.device)
         self._round_start = total
-        params = ctx.params
         pending = ids[self._synced :]  # [n - synced] tokens the draft has not seen (>= 1)
         logits = self.model.forward(pending, self._synced).logits  # [1, V_draft]
         self._synced = total
         if self.tree is not None:  # tree nodes are dropped from the cache after the round
             return grow_tree(torch.log_softmax(self._fit_vocab(logits)[0].float(), -1), self,
                              max_tokens, self.tree)
-        tokens: list[torch.Tensor] = []  # each [1]
-        q_rows: list[torch.Tensor] = []  # each [1, V]; sampling only (greedy needs no q)
-        for i in range(max_tokens):
-            logits = self._fit_vocab(logits)  # [1, V]
-            if params.greedy:
-                q, token = None, logits.argmax(-1)  # [1]
-            else:
-                q = warp_probs(logits, params)  # [1, V], the same warp as the target's p
-                token = sample_token(q, ctx.generator)
-            if self.p_min > 0:  # costs a host sync per draft token, so only when asked
-                confidence = q if q is not None else torch.softmax(logits.float(), -1)
-                if float(confidence.max()) < self.p_min:
-                    break
-            tokens.append(token)
-            if q is not None:
-                q_rows.append(q)
-            if i + 1 < max_tokens:
-                logits = self.model.forward(token, total + i).logits
-                self._fed_drafts += 1
-        if not tokens:
-            return Draft.empty(ids.device)
-        draft_tokens = torch.cat(tokens).to(ids.device)  # [k]
-        return Draft(draft_tokens, torch.cat(q_rows) if q_rows else None)  # q: [k, V]
+
+        def step(token: torch.Tensor, i: int) -> torch.Tensor:
+            self._fed_drafts += 1
+            return self._fit_vocab(self.model.forward(token, total + i).logits)
+
+        draft = draft_chain(self._fit_vocab(logits), max_tokens, ctx, step, self.p_min)
+        return Draft(draft.tokens.to(ids.device), draft.q_draft)  # q stays where the verifier runs
 
     def expand(self, tokens: torch.Tensor, fed) -> torch.Tensor:
         """Tree search step: run the newest tree nodes, return their next-token log-probs [T, V]."""

@@ -96,6 +96,13 @@ class HFCausalLM:
     def cache_length(self) -> int:
         return self._cache.length
 
+    @property
+    def hf_cache(self) -> DynamicCache:
+        """The transformers cache behind this backend (replaced by ``reset``). Self-speculation
+        (models/layer_subset.py) appends draft positions to some of its layers and crops them
+        off again before the next call here, so the contract above still holds."""
+        return self._cache.hf
+
     @torch.inference_mode()
     def forward(
         self,

@@ -1,0 +1,214 @@
+"""``--drafter auto``: measure the available drafters on the live request stream, keep the fastest.
+
+Which drafter pays off depends on the workload (prompt lookup on RAG, suffix matching on repeated
+requests, a draft model on open-ended text) and on the machine (on a CPU a multi-token verify is
+expensive, so a drafter must be right often to beat plain decoding). The figure that decides is
+the one the user feels: **tokens committed per second of drafting + verification**, measured by
+wall clock from each round's ``propose`` to its ``on_verified``. Plain decoding ("none", a
+drafter that proposes nothing) is a candidate like any other.
+
+Policy, per session (the choice carries over from request to request):
+
+1. *probe*: each candidate drafts ``probe_rounds`` rounds in turn; the first round of each turn
+   is not timed (it may catch up on tokens the candidate has not seen);
+2. *exploit*: the fastest candidate drafts; its rate is tracked as a moving average;
+3. *re-probe* every ``reprobe_every`` rounds, or at once when the current choice's rate falls
+   below ``1 - margin`` times the best rate another candidate showed (acceptance changed: the
+   conversation moved from copying to writing, say), then choose again.
+
+Every decision (round, choice, reason, the rates it saw) goes into the request's
+``RequestStats.drafter_report``, so the CLI and ``speclm bench`` show what was chosen and why.
+Candidates that learn from the session's text (they have ``observe``, e.g. suffix matching) are
+reset with every request and shown its final tokens; others are reset lazily, when first asked to
+draft in a request, so an unused draft model costs nothing. Learners of the target's top-k
+(token recycling) get that feedback every round, chosen or not.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import SpeclmError
+from .base import Draft, DraftContext, Drafter, drafter_report, wanted_target_topk
+
+
+class NoDrafter:
+    """Proposes nothing: the round is a plain decoding step (the baseline every choice must beat)."""
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        return Draft.empty(ctx.token_ids.device)
+
+    def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
+        pass
+
+
+@dataclass
+class _Rate:
+    """Measured tokens per second of one candidate."""
+
+    tokens: int = 0  # committed in timed rounds
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    ema: float | None = None  # moving average of the per-round rate while chosen
+
+    @property
+    def pooled(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def add(self, tokens: int, seconds: float, drafted: int, accepted: int, weight: float) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.drafted += drafted
+        self.accepted += accepted
+        rate = tokens / seconds if seconds > 0 else 0.0
+        self.ema = rate if self.ema is None else (1 - weight) * self.ema + weight * rate
+
+
+class AutoDrafter:
+    """Chooses among ``candidates`` (name -> (drafter, max draft length)) by measured speed."""
+
+    def __init__(self, candidates: dict[str, tuple[Drafter, int]], probe_rounds: int = 6,
+                 reprobe_every: int = 256, margin: float = 0.15) -> None:
+        if not candidates:
+            raise SpeclmError("auto needs at least one candidate drafter")
+        if probe_rounds < 2:
+            raise SpeclmError(f"auto probe_rounds must be >= 2, got {probe_rounds}")
+        self.candidates = candidates
+        self.names = list(candidates)
+        self.probe_rounds = probe_rounds
+        self.reprobe_every = reprobe_every
+        self.margin = margin
+        self.wants_target_topk = max(wanted_target_topk(d) for d, _ in candidates.values())
+        self.rates: dict[str, _Rate] = {}  # from the latest probe (and exploitation) of each
+        self.choice: str | None = None  # None until the first probe has finished
+        self._queue: list[str] = list(self.names)  # candidates still to probe, in order
+        self._probe = _Rate()  # the running probe window of _queue[0]
+        self._probe_round = 0
+        self._since_choice = 0
+        self._round = 0  # rounds drafted in this session
+        self._active: str | None = None
+        self._timed = False  # whether this round counts (not when the candidate was just reset)
+        self._t0 = 0.0
+        self._drafted = 0
+        self._prompt: torch.Tensor | None = None
+        self._reset_done: set[str] = set()
+        self._last: list[int] = []  # the current request's tokens, for observe() at its end
+        self._request: dict = {}
+
+    # -- protocol ---------------------------------------------------------------------------
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        self._finish_request()
+        self._prompt = prompt_ids
+        self._reset_done = set()
+        for name, (drafter, _) in self.candidates.items():
+            if callable(getattr(drafter, "observe", None)):  # learners see every request
+                drafter.reset(prompt_ids)
+                self._reset_done.add(name)
+        self._last = prompt_ids.tolist()
+        self._request = {"decisions": [], "rounds": dict.fromkeys(self.names, 0)}
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        name = self._queue[0] if self._queue else self.choice
+        drafter, cap = self.candidates[name]
+        self._timed = name in self._reset_done
+        if not self._timed:  # lazily: a candidate never asked costs nothing; this round's
+            drafter.reset(self._prompt)  # prefill is not held against it
+            self._reset_done.add(name)
+        self._active = name
+        self._last = ctx.token_ids.tolist()
+        self._t0 = time.perf_counter()
+        draft = drafter.propose(DraftContext(ctx.token_ids, min(ctx.max_tokens, cap), ctx.params,
+                                             ctx.generator))
+        self._drafted = draft.num_tokens
+        return draft
+
+    def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
+        seconds = time.perf_counter() - self._t0
+        name = self._active
+        self.candidates[name][0].on_verified(num_accepted, emitted)
+        self._last += emitted
+        self._round += 1
+        self._request["rounds"][name] += 1
+        if self._queue:
+            self._probing(name, len(emitted), seconds, num_accepted)
+        else:
+            self._exploiting(name, len(emitted), seconds, num_accepted)
+
+    def on_target_topk(self, fed: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        for drafter, _ in self.candidates.values():  # learners learn from every round
+            if wanted_target_topk(drafter):
+                drafter.on_target_topk(fed, topk_ids)
+
+    # -- policy -----------------------------------------------------------------------------
+    def _probing(self, name: str, tokens: int, seconds: float, accepted: int) -> None:
+        self._probe_round += 1
+        if self._probe_round > 1 and self._timed:  # a turn's first round may be catching up
+            self._probe.add(tokens, seconds, self._drafted, accepted, weight=1.0)
+        if self._probe_round >= self.probe_rounds:
+            self.rates[name] = self._probe
+            self._probe, self._probe_round = _Rate(), 0
+            self._queue.pop(0)
+            if not self._queue:
+                self._decide("probed")
+
+    def _exploiting(self, name: str, tokens: int, seconds: float, accepted: int) -> None:
+        rate = self.rates[name]
+        if self._timed:
+            rate.add(tokens, seconds, self._drafted, accepted, weight=0.1)
+        self._since_choice += 1
+        others = [self.rates[n].pooled for n in self.names if n != name]
+        if self._since_choice >= self.reprobe_every:
+            self._start_probe("periodic re-probe")
+        elif (self._since_choice >= 2 * self.probe_rounds and others
+              and rate.ema < (1 - self.margin) * max(others)):
+            self._start_probe(f"{name} fell to {rate.ema:.1f} tok/s")
+
+    def _start_probe(self, reason: str) -> None:
+        self._queue = [n for n in self.names if n != self.choice] + [self.choice]
+        self._log("probe", reason)
+
+    def _decide(self, reason: str) -> None:
+        best = max(self.names, key=lambda n: self.rates[n].pooled)
+        self._log(best, reason if best == self.choice or self.choice is None
+                  else f"{reason}: switch from {self.choice}")
+        self.choice = best
+        self.rates[best].ema = self.rates[best].pooled
+        self._since_choice = 0
+
+    def _log(self, action: str, reason: str) -> None:
+        self._request["decisions"].append({
+            "round": self._round, "action": action, "reason": reason,
+            "rates": {n: round(r.pooled, 2) for n, r in self.rates.items()}})
+
+    # -- reporting --------------------------------------------------------------------------
+    def _finish_request(self) -> None:
+        """Show learners the previous request's final tokens (rounds they sat out included)."""
+        if not self._last:
+            return
+        tokens = torch.tensor(self._last, dtype=torch.long)
+        for drafter, _ in self.candidates.values():
+            observe = getattr(drafter, "observe", None)
+            if callable(observe):
+                observe(tokens)
+        self._last = []
+
+    def report(self) -> dict:
+        rates = {n: {"tok_s": round(r.pooled, 2), "alpha": round(r.accepted / r.drafted, 3) if r.drafted else None}
+                 for n, r in self.rates.items()}
+        used = {n: c for n, c in self._request.get("rounds", {}).items() if c}
+        active = self.choice or (self._queue[0] if self._queue else None)
+        figures = ", ".join(f"{n} {r['tok_s']:.1f}" for n, r in sorted(rates.items(), key=lambda x: -x[1]["tok_s"]))
+        inner = drafter_report(self.candidates[active][0]) if active else None
+        summary = (f"auto: {'probing' if self.choice is None else 'chose ' + self.choice}; "
+                   f"tok/s {figures or 'not measured yet'}; rounds {used}; "
+                   f"{len(self._request.get('decisions', []))} decision(s) this request")
+        return {"summary": summary, "choice": self.choice, "rates": rates, "rounds": used,
+                "decisions": list(self._request.get("decisions", [])),
+                "choice_report": inner}

@@ -1,0 +1,205 @@
+"""Every drafter by name: ``--drafter NAME[:key=value,...]``, ``LLM(speculative_model="NAME...")``
+and the ``speclm bench`` method of the same name all come through this table, so adding a
+drafter is one entry here and no name is tested for anywhere else.
+
+    ngram[:min=2,max=3]              prompt lookup in the request's own text
+    suffix[:capacity=262144,factor=1]  suffix matching over the whole session (all requests)
+    recycle[:topk=8]                 token recycling: the target's own earlier top-k candidates
+    layerskip[:skip=3,5-9,refresh=0] the target minus some layers; the set is searched per model
+                                     (measured speedup, cached) unless given
+    early-exit[:layers=N]            the target's first N layers (default: a third)
+    draft:path=PATH[,p_min=0]        a smaller model with the target's tokenizer
+    distilled[:path=DIR,p_min=0]     the draft model `speclm distill` made for this target
+    auto[:candidates=a,b,...]        measure candidates on the live requests, keep the fastest
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SpeclmError
+from ..models.hf import HFCausalLM
+from ..specs import REQUIRED, NameList, OptionString, IntList, Schema, parse_options
+from .base import Drafter
+
+
+@dataclass
+class BuildContext:
+    """What a drafter factory may use: the loaded target and how to load draft models."""
+
+    target: HFCausalLM
+    tokenizer: object
+    model_path: Path | None  # the target's folder (per-model caches are keyed by it)
+    load_draft: Callable[[str, float], Drafter]  # (model spec, p_min) -> a draft-model drafter
+    progress: bool = True
+
+
+@dataclass(frozen=True)
+class DrafterKind:
+    name: str
+    summary: str  # one line, for --help
+    options: Schema
+    default_k: int  # draft length (K) when the user gives none
+    build: Callable[[BuildContext, dict], Drafter]
+    check: Callable[[dict], None] = lambda options: None  # extra validation, before any loading
+    label: Callable[[dict], str] | None = None  # the name in stats (default: the text as given)
+
+
+def _check_ngram(o: dict) -> None:
+    if not 1 <= o["min"] <= o["max"]:
+        raise SpeclmError(f"n-gram sizes need 1 <= min <= max, got min={o['min']} max={o['max']}")
+
+
+def _check_p_min(o: dict) -> None:
+    if not 0.0 <= o["p_min"] < 1.0:
+        raise SpeclmError(f"p_min must be in [0, 1), got {o['p_min']}")
+    if o.get("path") not in (None, "default") and not Path(o["path"]).expanduser().exists():
+        raise SpeclmError(f"model path {o['path']!r} does not exist")
+
+
+def _ngram(ctx: BuildContext, o: dict) -> Drafter:
+    from .ngram import NgramDrafter
+
+    return NgramDrafter(o["min"], o["max"])
+
+
+def _suffix(ctx: BuildContext, o: dict) -> Drafter:
+    from .suffix import SuffixDrafter
+
+    return SuffixDrafter(capacity=o["capacity"], factor=o["factor"])
+
+
+def _recycle(ctx: BuildContext, o: dict) -> Drafter:
+    from .recycle import RecycleDrafter
+
+    return RecycleDrafter(ctx.target.vocab_size, o["topk"])
+
+
+def _layerskip(ctx: BuildContext, o: dict) -> Drafter:
+    from .layer_skip import LayerSkipDrafter
+
+    if o["skip"] is not None:
+        return LayerSkipDrafter(ctx.target, o["skip"], o["p_min"])
+    from .layer_search import choose_skip
+
+    choice, origin = choose_skip(ctx.target, ctx.tokenizer, ctx.model_path, refresh=bool(o["refresh"]),
+                                 progress=ctx.progress)
+    if ctx.progress and origin == "searched":
+        print(f"speclm: layerskip chose to skip {len(choice.skip)} of {choice.num_layers} layers "
+              f"(measured {choice.speedup:.2f}x plain decoding, alpha {choice.alpha:.2f}, "
+              f"{choice.seconds:.0f} s)", file=sys.stderr)
+    return LayerSkipDrafter(ctx.target, choice.skip, o["p_min"],
+                            origin=f"{origin} choice, measured {choice.speedup:.2f}x")
+
+
+def _early_exit(ctx: BuildContext, o: dict) -> Drafter:
+    from ..models.layer_subset import decoder_layers
+    from .layer_skip import LayerSkipDrafter
+
+    layers = o["layers"] or max(1, math.ceil(len(decoder_layers(ctx.target.model)) / 3))
+    return LayerSkipDrafter.early_exit(ctx.target, layers, o["p_min"])
+
+
+def _draft(ctx: BuildContext, o: dict) -> Drafter:
+    return ctx.load_draft(o["path"], o["p_min"])
+
+
+def _distilled(ctx: BuildContext, o: dict) -> Drafter:
+    from ..distill import find_distilled
+
+    path = o["path"] or find_distilled(ctx.model_path)
+    if path is None:
+        raise SpeclmError("no distilled draft model for this target yet; make one with "
+                          "`speclm distill --target MODEL --layers N` (or give path=DIR)")
+    return ctx.load_draft(str(path), o["p_min"])
+
+
+def auto_candidates(ctx: BuildContext) -> tuple[str, ...]:
+    """The default candidates of ``auto``: every drafter that needs no preparation, plus the
+    layer set and the distilled draft model where they already exist for this target."""
+    names = ["none", "ngram", "suffix", "recycle"]
+    if ctx.model_path is not None:
+        from ..distill import find_distilled
+        from .layer_search import cache_file, load_choice
+
+        if load_choice(cache_file(ctx.model_path, ctx.target)) is not None:
+            names.append("layerskip")
+        if find_distilled(ctx.model_path) is not None:
+            names.append("distilled")
+    return tuple(names)
+
+
+def _auto(ctx: BuildContext, o: dict) -> Drafter:
+    from .auto import AutoDrafter, NoDrafter
+
+    candidates: dict[str, tuple[Drafter, int]] = {}
+    for text in o["candidates"] or auto_candidates(ctx):
+        if text == "none":
+            candidates[text] = (NoDrafter(), 1)
+            continue
+        spec = parse_drafter(text)
+        if spec.name == "auto":
+            raise SpeclmError("auto cannot be a candidate of auto")
+        candidates[spec.label] = (build_drafter(spec, ctx), KINDS[spec.name].default_k)
+    return AutoDrafter(candidates, probe_rounds=o["probe"], reprobe_every=o["every"])
+
+
+def _check_auto(o: dict) -> None:
+    for text in o["candidates"] or ():
+        if text != "none":
+            parse_drafter(text)
+    if o["probe"] < 2 or o["every"] < 1:
+        raise SpeclmError("auto needs probe >= 2 and every >= 1")
+
+
+KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
+    DrafterKind("ngram", "prompt lookup: continue the latest earlier n-gram of this request",
+                {"min": (int, 2), "max": (int, 3)}, 10, _ngram, _check_ngram,
+                label=lambda o: f"ngram[{o['min']}..{o['max']}]"),
+    DrafterKind("suffix", "suffix matching over every prompt and output of the session",
+                {"capacity": (int, 1 << 18), "factor": (float, 1.0)}, 10, _suffix),
+    DrafterKind("recycle", "token recycling: the target's own top-k from earlier verify steps",
+                {"topk": (int, 8)}, 6, _recycle),
+    DrafterKind("layerskip", "the target minus some layers (searched per model unless skip= given)",
+                {"skip": (IntList(), None), "refresh": (int, 0), "p_min": (float, 0.0)}, 3,
+                _layerskip, _check_p_min),
+    DrafterKind("early-exit", "the target's first N layers (default: a third), norm and LM head",
+                {"layers": (int, 0), "p_min": (float, 0.0)}, 3, _early_exit, _check_p_min),
+    DrafterKind("draft", "a smaller model sharing the target's tokenizer",
+                {"path": (str, REQUIRED), "p_min": (float, 0.0)}, 5, _draft, _check_p_min),
+    DrafterKind("distilled", "the draft model `speclm distill` made for this target",
+                {"path": (str, None), "p_min": (float, 0.0)}, 5, _distilled, _check_p_min),
+    DrafterKind("auto", "measure candidates on the live requests and keep the fastest",
+                {"candidates": (NameList(), None), "probe": (int, 6), "every": (int, 256)}, 10,
+                _auto, _check_auto),
+]}
+
+
+def is_drafter_spec(text: str) -> bool:
+    """Whether ``text`` names a registered drafter (rather than a draft model path)."""
+    return text.strip().partition(":")[0] in KINDS
+
+
+def parse_drafter(text: str, defaults: dict | None = None) -> OptionString:
+    """Parse and check ``NAME[:key=value,...]``; ``defaults`` replace the schema's defaults for
+    options that the text leaves out (the API's ``ngram_min=`` and the like)."""
+    spec = parse_options(text, {name: kind.options for name, kind in KINDS.items()}, what="drafter")
+    given = {item.partition("=")[0] for item in text.partition(":")[2].split(",")}
+    for key, value in (defaults or {}).items():
+        if key in spec.options and key not in given:
+            spec.options[key] = value
+    KINDS[spec.name].check(spec.options)
+    return spec
+
+
+def drafter_label(spec: OptionString) -> str:
+    label = KINDS[spec.name].label
+    return label(spec.options) if label is not None else spec.label
+
+
+def build_drafter(spec: OptionString, ctx: BuildContext) -> Drafter:
+    return KINDS[spec.name].build(ctx, spec.options)

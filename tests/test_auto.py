@@ -1,0 +1,143 @@
+"""``auto``: probing, choosing by measured rate, switching when a drafter's rate changes, lazy
+resets, learners kept informed, and the decisions reported in RequestStats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speclm import SpeclmError
+from speclm.draft_length import DraftLengthConfig
+from speclm.drafters import Draft, DraftContext, NgramDrafter
+from speclm.drafters.auto import AutoDrafter, NoDrafter
+from speclm.drafters.recycle import RecycleDrafter
+from speclm.drafters.suffix import SuffixDrafter
+from speclm.engine import generate_tokens
+from speclm.sampling import SamplingParams
+from speclm.stats import RequestStats
+
+from .conftest import backend, tiny_model
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class Fake:
+    """Drafts ``k`` tokens per round, costs ``seconds`` of (fake) time per round."""
+
+    def __init__(self, clock, seconds, accepted):
+        self.clock, self.seconds, self.accepted = clock, seconds, accepted
+        self.resets = 0
+
+    def reset(self, prompt_ids):
+        self.resets += 1
+
+    def propose(self, ctx):
+        self.clock.now += self.seconds
+        return Draft(torch.zeros(ctx.max_tokens, dtype=torch.long))
+
+    def on_verified(self, num_accepted, emitted):
+        pass
+
+
+def play(auto, fakes, rounds):
+    """Drive ``auto`` as the engine would; each round commits (accepted + 1) tokens."""
+    ctx = DraftContext(torch.tensor([1, 2, 3]), 4, SamplingParams(), torch.Generator())
+    for _ in range(rounds):
+        auto.propose(ctx)
+        accepted = fakes[auto._active].accepted
+        auto.on_verified(accepted, [0] * (accepted + 1))
+
+
+@pytest.fixture()
+def clock(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr("speclm.drafters.auto.time.perf_counter", clock)
+    return clock
+
+
+def test_probes_then_keeps_the_fastest_and_switches_when_it_slows(clock):
+    fakes = {"slow": Fake(clock, 1.0, 1), "fast": Fake(clock, 1.0, 3), "free": Fake(clock, 0.5, 0)}
+    auto = AutoDrafter({n: (d, 4) for n, d in fakes.items()}, probe_rounds=3, reprobe_every=1000)
+    auto.reset(torch.tensor([1, 2, 3]))
+    play(auto, fakes, 9)  # three probes of three rounds
+    assert auto.choice == "fast"
+    assert auto.rates["fast"].pooled == pytest.approx(4.0) and auto.rates["slow"].pooled == pytest.approx(2.0)
+    assert auto.rates["free"].pooled == pytest.approx(2.0)
+    play(auto, fakes, 10)
+    assert auto._request["rounds"]["fast"] == 3 + 10  # exploiting
+    fakes["fast"].accepted = 0  # acceptance collapses: 1 token per second now
+    play(auto, fakes, 40)
+    report = auto.report()
+    assert auto.choice in ("slow", "free")
+    actions = [d["action"] for d in report["decisions"]]
+    assert actions[0] == "fast" and "probe" in actions
+    assert any("switch from fast" in d["reason"] for d in report["decisions"])
+    assert "fell to" in next(d["reason"] for d in report["decisions"] if d["action"] == "probe")
+
+
+def test_periodic_reprobe(clock):
+    fakes = {"a": Fake(clock, 1.0, 2), "b": Fake(clock, 1.0, 1)}
+    auto = AutoDrafter({n: (d, 4) for n, d in fakes.items()}, probe_rounds=2, reprobe_every=5)
+    auto.reset(torch.tensor([1]))
+    play(auto, fakes, 4 + 5 + 4)
+    reasons = [d["reason"] for d in auto.report()["decisions"]]
+    assert reasons.count("periodic re-probe") == 1 and auto.choice == "a"
+
+
+def test_lazy_resets_and_learners_see_every_request(clock):
+    fake = Fake(clock, 1.0, 1)
+    never = Fake(clock, 1.0, 1)
+    suffix = SuffixDrafter(capacity=256, factor=0)
+    auto = AutoDrafter({"fake": (fake, 4), "suffix": (suffix, 4), "never": (never, 4)},
+                       probe_rounds=2)
+    auto.reset(torch.tensor([1, 2, 3]))
+    ctx = DraftContext(torch.tensor([1, 2, 3]), 4, SamplingParams(), torch.Generator())
+    auto.propose(ctx)
+    auto.on_verified(1, [40, 41])
+    assert fake.resets == 1 and never.resets == 0  # never asked: never reset
+    auto.reset(torch.tensor([9, 3, 40]))  # the next request: suffix saw request 1 via observe
+    assert suffix.propose(DraftContext(torch.tensor([9, 3, 40]), 4, SamplingParams(),
+                                       torch.Generator())).tokens.tolist() == [41]
+
+
+def test_through_the_engine_lossless_with_decisions_in_stats():
+    lm = backend(tiny_model(48, seed=8))
+    auto = AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 2), 4),
+                        "recycle": (RecycleDrafter(48, 4), 4)}, probe_rounds=2)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = torch.tensor([3, 4, 5, 3, 4, 5])
+    plain = [t for s in generate_tokens(lm, prompt, params) for t in s.tokens]
+    stats = RequestStats()
+    out = [t for s in generate_tokens(lm, prompt, params, drafter=auto, stats=stats,
+                                      draft_length=DraftLengthConfig(4)) for t in s.tokens]
+    assert out == plain
+    report = stats.drafter_report
+    assert report["choice"] in ("none", "ngram", "recycle") and set(report["rates"]) == {"none", "ngram", "recycle"}
+    assert report["decisions"][0]["reason"] == "probed"
+    # every drafted round is counted (a last round with no budget left drafts nothing)
+    assert stats.target_forwards - 1 <= sum(report["rounds"].values()) <= stats.target_forwards
+    assert "auto: chose" in stats.summary() and "round " in stats.summary()
+
+
+def test_bad_auto_settings(model_dirs):
+    from speclm import LLM
+
+    with pytest.raises(SpeclmError, match="at least one"):
+        AutoDrafter({})
+    with pytest.raises(SpeclmError, match="probe"):
+        AutoDrafter({"none": (NoDrafter(), 1)}, probe_rounds=1)
+    llm = LLM(str(model_dirs["target"]), dtype="float64")
+    for spec, needle in [("auto:candidates=auto", "cannot be a candidate"),
+                         ("auto:candidates=ngram,medusa", "unknown drafter"),
+                         ("auto:probe=1", "probe >= 2")]:
+        with pytest.raises(SpeclmError, match=needle):
+            llm.make_speculation(spec)
+    spec = llm.make_speculation("auto:candidates=none,ngram,suffix,recycle,probe=3")
+    assert list(spec.drafter.candidates) == ["none", "ngram", "suffix", "recycle"]
+    assert spec.drafter.wants_target_topk == 8 and spec.draft_length.draft_max == 10
