@@ -206,3 +206,42 @@ def test_best_static_tree_is_a_tree_in_order_of_estimated_acceptance():
     assert paths[0] == [0] and len(paths) == 6
     for p in paths:  # every prefix is in the tree
         assert all(p[:d] in paths for d in range(1, len(p)))
+
+
+@pytest.mark.parametrize("method", ["medusa", "eagle"])
+def test_train_drafter_command_end_to_end(method, model_dirs, tmp_path, capsys):
+    from speclm import LLM
+    from speclm.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"turns": ["the quick brown fox number {i}"]}}\n' for i in range(12)))
+    out = tmp_path / method
+    argv = ["train-drafter", "--method", method, "--target", str(model_dirs["target"]), "--out", str(out),
+            "--prompts", str(prompts), "--no-default-prompts", "--max-new-tokens", "12", "--epochs", "2",
+            "--draft-vocab", "128", "--batch-size", "4", "--heads", "2"]
+    assert main(argv) == 0
+    assert (out / "drafter.json").is_file() and (out / "drafter.safetensors").is_file()
+    config = DrafterConfig.load(out)
+    assert config.kind == method and config.training["epochs"] == 2
+    assert len(config.training["held_out_accuracy"]) >= 1
+    capsys.readouterr()
+    assert main(argv) == 0  # a second run finds the cached data and the finished state
+    assert "using cached training data" in capsys.readouterr().err
+    llm = LLM(str(model_dirs["target"]), f"{method}:path={out}", 3, dtype="float64")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    spec = llm.generate("the quick brown fox", params)[0]
+    plain = llm.generate("the quick brown fox", params, speculative=False)[0]
+    assert spec.token_ids == plain.token_ids
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--held-out", "0.9"], "--held-out"),
+    (["--no-default-prompts"], "needs --prompts"),
+    (["--feature-layers", "x"], "--feature-layers"),
+])
+def test_train_drafter_bad_input(argv, needle, model_dirs, tmp_path, capsys):
+    from speclm.cli import main
+
+    code = main(["train-drafter", "--method", "eagle", "--target", str(model_dirs["target"]),
+                 "--out", str(tmp_path / "d"), *argv])
+    assert code == 2 and needle in capsys.readouterr().err

@@ -17,6 +17,7 @@ from .detokenize import IncrementalDetokenizer
 from .draft_length import DraftLengthConfig
 from .drafters import DraftModelDrafter, Drafter, check_vocab_compatible
 from .drafters.registry import KINDS, BuildContext, build_drafter, drafter_label, is_drafter_spec, parse_drafter
+from .drafters.tree_search import TreeShape
 from .engine import generate_tokens
 from .errors import SpeclmError
 from .models import LoadedModel, load_model
@@ -140,14 +141,14 @@ class LLM:
                                                    self._load_draft_model))
         return Speculation(drafter, draft_length, drafter_label(spec))
 
-    def _load_draft_model(self, spec: str, p_min: float) -> DraftModelDrafter:
+    def _load_draft_model(self, spec: str, p_min: float, tree: TreeShape | None = None) -> DraftModelDrafter:
         if resolve_model_path(spec) == self._loaded.path:  # self-drafting: share the weights
             backend = self.target.fork()
         else:
             draft = load_model(spec, device=self._device, dtype=self._dtype or self.target.dtype)
             check_vocab_compatible(self.tokenizer, draft.tokenizer)
             backend = draft.backend
-        return DraftModelDrafter(backend, self.target.vocab_size, p_min=p_min)
+        return DraftModelDrafter(backend, self.target.vocab_size, p_min=p_min, tree=tree)
 
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:

@@ -8,8 +8,12 @@ drafter is one entry here and no name is tested for anywhere else.
     layerskip[:skip=3,5-9,refresh=0] the target minus some layers; the set is searched per model
                                      (measured speedup, cached) unless given
     early-exit[:layers=N]            the target's first N layers (default: a third)
-    draft:path=PATH[,p_min=0]        a smaller model with the target's tokenizer
-    distilled[:path=DIR,p_min=0]     the draft model `speclm distill` made for this target
+    draft:path=PATH[,p_min=0,tree=0,budget=16]  a smaller model with the target's tokenizer;
+                                     tree=N grows a dynamic token tree (N children per expansion)
+    distilled[:path=DIR,p_min=0,tree=0,budget=16]  the draft model `speclm distill` made
+    medusa:path=DIR                  Medusa heads from `speclm train-drafter` (static tree)
+    eagle:path=DIR[,tree=4,budget=16]  an EAGLE head from `speclm train-drafter`; dynamic tree
+                                     (tree=0: a chain)
     auto[:candidates=a,b,...]        measure candidates on the live requests, keep the fastest
 """
 
@@ -34,7 +38,7 @@ class BuildContext:
     target: HFCausalLM
     tokenizer: object
     model_path: Path | None  # the target's folder (per-model caches are keyed by it)
-    load_draft: Callable[[str, float], Drafter]  # (model spec, p_min) -> a draft-model drafter
+    load_draft: Callable[..., Drafter]  # (model spec, p_min, tree shape) -> a draft-model drafter
     progress: bool = True
 
 
@@ -57,6 +61,10 @@ def _check_ngram(o: dict) -> None:
 def _check_p_min(o: dict) -> None:
     if not 0.0 <= o["p_min"] < 1.0:
         raise SpeclmError(f"p_min must be in [0, 1), got {o['p_min']}")
+    if o.get("tree", 0) < 0 or o.get("budget", 1) < 1:
+        raise SpeclmError("tree must be >= 0 (0: a chain) and budget >= 1")
+    if o.get("tree") and o["p_min"] > 0:
+        raise SpeclmError("p_min applies to chains; a tree spends its budget by confidence")
     if o.get("path") not in (None, "default") and not Path(o["path"]).expanduser().exists():
         raise SpeclmError(f"model path {o['path']!r} does not exist")
 
@@ -104,8 +112,14 @@ def _early_exit(ctx: BuildContext, o: dict) -> Drafter:
     return LayerSkipDrafter.early_exit(ctx.target, layers, o["p_min"])
 
 
+def _tree_shape(o: dict):
+    from .tree_search import TreeShape
+
+    return TreeShape(top_k=o["tree"], budget=o["budget"]) if o.get("tree") else None
+
+
 def _draft(ctx: BuildContext, o: dict) -> Drafter:
-    return ctx.load_draft(o["path"], o["p_min"])
+    return ctx.load_draft(o["path"], o["p_min"], _tree_shape(o))
 
 
 def _distilled(ctx: BuildContext, o: dict) -> Drafter:
@@ -115,7 +129,27 @@ def _distilled(ctx: BuildContext, o: dict) -> Drafter:
     if path is None:
         raise SpeclmError("no distilled draft model for this target yet; make one with "
                           "`speclm distill --target MODEL --layers N` (or give path=DIR)")
-    return ctx.load_draft(str(path), o["p_min"])
+    return ctx.load_draft(str(path), o["p_min"], _tree_shape(o))
+
+
+def _check_learned(o: dict) -> None:
+    if not Path(o["path"]).expanduser().is_dir():
+        raise SpeclmError(f"drafter folder {o['path']!r} does not exist (make one with speclm train-drafter)")
+    if o.get("tree", 0) < 0 or o.get("budget", 1) < 1:
+        raise SpeclmError("tree must be >= 0 (0: a chain) and budget >= 1")
+
+
+def _medusa(ctx: BuildContext, o: dict) -> Drafter:
+    from ..learned.loader import load_learned_drafter
+
+    return load_learned_drafter(o["path"], ctx.target, "medusa")
+
+
+def _eagle(ctx: BuildContext, o: dict) -> Drafter:
+    from ..learned.loader import load_learned_drafter
+
+    return load_learned_drafter(o["path"], ctx.target, "eagle", top_k=max(1, o["tree"]),
+                                budget=o["budget"], tree=o["tree"] > 0)
 
 
 def auto_candidates(ctx: BuildContext) -> tuple[str, ...]:
@@ -169,10 +203,16 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
                 _layerskip, _check_p_min),
     DrafterKind("early-exit", "the target's first N layers (default: a third), norm and LM head",
                 {"layers": (int, 0), "p_min": (float, 0.0)}, 3, _early_exit, _check_p_min),
-    DrafterKind("draft", "a smaller model sharing the target's tokenizer",
-                {"path": (str, REQUIRED), "p_min": (float, 0.0)}, 5, _draft, _check_p_min),
+    DrafterKind("draft", "a smaller model sharing the target's tokenizer (tree=N: a token tree)",
+                {"path": (str, REQUIRED), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16)},
+                5, _draft, _check_p_min),
     DrafterKind("distilled", "the draft model `speclm distill` made for this target",
-                {"path": (str, None), "p_min": (float, 0.0)}, 5, _distilled, _check_p_min),
+                {"path": (str, None), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16)},
+                5, _distilled, _check_p_min),
+    DrafterKind("medusa", "Medusa heads made by `speclm train-drafter` (a static token tree)",
+                {"path": (str, REQUIRED)}, 4, _medusa, _check_learned),
+    DrafterKind("eagle", "an EAGLE head made by `speclm train-drafter` (a dynamic token tree)",
+                {"path": (str, REQUIRED), "tree": (int, 4), "budget": (int, 16)}, 5, _eagle, _check_learned),
     DrafterKind("auto", "measure candidates on the live requests and keep the fastest",
                 {"candidates": (NameList(), None), "probe": (int, 6), "every": (int, 256)}, 10,
                 _auto, _check_auto),

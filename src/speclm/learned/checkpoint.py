@@ -30,7 +30,7 @@ class TargetIdentity:
     @staticmethod
     def of(model: torch.nn.Module, name: str) -> TargetIdentity:
         config = model.config
-        head = model.get_output_embeddings().weight
+        head = model.get_output_embeddings().weight.detach()
         return TargetIdentity(
             name=name, architecture=type(model).__name__, hidden_size=int(config.hidden_size),
             vocab_size=int(head.shape[0]), num_hidden_layers=int(config.num_hidden_layers),

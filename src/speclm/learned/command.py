@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise SpeclmError(f"--held-out must be in (0, 0.5), got {args.held_out}")
     if args.no_default_prompts and not args.prompts:
         raise SpeclmError("--no-default-prompts needs --prompts FILE")
+    _feature_layers(args.feature_layers, 10**6)  # malformed text fails before the model loads
     prompts = distill_prompts(args.prompts)
     if args.no_default_prompts:
         prompts = prompts[len(distill_prompts()):]
