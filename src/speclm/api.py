@@ -71,6 +71,9 @@ class LLM:
         draft_min: drafts shorter than this are dropped (``--draft-min``).
         draft_p_min: a draft model stops when its top probability falls below this.
         adaptive_draft: choose K each round from measured acceptance and costs.
+        async_draft: speculative speculative decoding: while the target verifies, the draft
+            model drafts the next round for the ``async_fanout`` likeliest verification outcomes
+            on a worker thread (a draft model only).
         ngram_min, ngram_max: n-gram sizes tried by prompt lookup (longest first).
         device, dtype: where and in what precision to run (``"auto"`` picks CUDA/bf16 if present).
         gguf_file: a GGUF file name inside ``model`` when ``model`` is a folder.
@@ -85,6 +88,8 @@ class LLM:
         draft_min: int = 0,
         draft_p_min: float = 0.0,
         adaptive_draft: bool = False,
+        async_draft: bool = False,
+        async_fanout: int = 8,
         ngram_min: int = 2,
         ngram_max: int = 3,
         device: str | None = "cpu",
@@ -97,8 +102,8 @@ class LLM:
         self.target = self._loaded.backend
         self.speculation = self.make_speculation(
             speculative_model, num_speculative_tokens, draft_min=draft_min,
-            draft_p_min=draft_p_min, adaptive_draft=adaptive_draft,
-            ngram_min=ngram_min, ngram_max=ngram_max,
+            draft_p_min=draft_p_min, adaptive_draft=adaptive_draft, async_draft=async_draft,
+            async_fanout=async_fanout, ngram_min=ngram_min, ngram_max=ngram_max,
         )
 
     def make_speculation(
@@ -109,6 +114,8 @@ class LLM:
         draft_min: int = 0,
         draft_p_min: float = 0.0,
         adaptive_draft: bool = False,
+        async_draft: bool = False,
+        async_fanout: int = 8,
         ngram_min: int = 2,
         ngram_max: int = 3,
     ) -> Speculation | None:
@@ -120,6 +127,10 @@ class LLM:
         if speculative_model is None:
             return None
         if isinstance(speculative_model, Drafter):
+            if async_draft:
+                from .drafters.ssd import make_async
+
+                speculative_model = make_async(speculative_model, async_fanout)
             draft_length = DraftLengthConfig(5 if num_speculative_tokens is None else num_speculative_tokens,
                                              draft_min, adaptive_draft)
             return Speculation(speculative_model, draft_length, type(speculative_model).__name__)
@@ -129,12 +140,22 @@ class LLM:
             spec = parse_drafter(speculative_model, defaults={"min": ngram_min, "max": ngram_max,
                                                               "p_min": draft_p_min})
         elif isinstance(speculative_model, str):  # a draft model: folder, GGUF file or "default"
-            options = {"path": speculative_model, "p_min": draft_p_min}
+            options = {key: default for key, (_, default) in KINDS["draft"].options.items()}
+            options.update(path=speculative_model, p_min=draft_p_min)
             KINDS["draft"].check(options)
             spec = OptionString(f"draft:{speculative_model}", "draft", options)
         else:
             raise SpeclmError(f"speculative_model must be None, a drafter name, a path or a Drafter, "
                               f"got {type(speculative_model).__name__}")
+        if async_draft:
+            schema = KINDS[spec.name].options
+            if "async" not in schema:
+                raise SpeclmError(f"async drafting needs a draft model (draft, distilled or a model "
+                                  f"path), not {spec.name}")
+            defaults = {key: default for key, (_, default) in schema.items()}
+            spec = OptionString(spec.label, spec.name,
+                                {**defaults, **spec.options, "async": 1, "fanout": async_fanout})
+            KINDS[spec.name].check(spec.options)
         k = KINDS[spec.name].default_k if num_speculative_tokens is None else num_speculative_tokens
         draft_length = DraftLengthConfig(k, draft_min, adaptive_draft)  # checked before building
         drafter = build_drafter(spec, BuildContext(self.target, self.tokenizer, self._loaded.path,

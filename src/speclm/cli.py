@@ -66,7 +66,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                             "(HF folder, .gguf, or 'default')")
     which.add_argument("--drafter", metavar="NAME[:OPTS]",
                        help="a drafter by name: ngram, suffix, recycle, layerskip[:skip=3,5-9], "
-                            "early-exit[:layers=N], draft:path=DIR, distilled, auto (see below)")
+                            "early-exit[:layers=N], draft:path=DIR, distilled, medusa:path=DIR, "
+                            "eagle:path=DIR, auto (see below)")
     which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
     d.add_argument("--draft-max", type=_positive(int), default=None,
                    help="K, most tokens drafted per round (default: the drafter's own: 10 for "
@@ -79,6 +80,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     d.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
                    help="choose K each round from measured acceptance and step costs, drafting "
                         "nothing when speculation would not pay (default: off; see docs)")
+    d.add_argument("--async", dest="async_draft", action="store_true",
+                   help="speculative speculative decoding: while the target verifies, the draft "
+                        "model drafts the next round for the likeliest outcomes (draft models only)")
+    d.add_argument("--fanout", type=_positive(int), default=8,
+                   help="with --async: outcomes drafted ahead per round (default: %(default)s)")
     d.add_argument("--ngram-min", type=_positive(int), default=2,
                    help="smallest n-gram; 1-grams match often and are mostly rejected (default: 2)")
     d.add_argument("--ngram-max", type=_positive(int), default=3, help="largest n-gram (default: 3)")
@@ -152,8 +158,14 @@ def _make_llm(args: argparse.Namespace):
     parse_drafter(f"ngram:min={args.ngram_min},max={args.ngram_max}")
     if not 0.0 <= args.draft_p_min < 1.0:
         raise SpeclmError(f"--draft-p-min must be in [0, 1), got {args.draft_p_min}")
+    if args.async_draft and (spec is None or (not args.draft_model and
+                                              "async" not in KINDS[parse_drafter(spec).name].options)):
+        raise SpeclmError("--async needs a draft model: --draft-model PATH or --drafter draft:...|distilled")
+    if args.fanout < 1:
+        raise SpeclmError(f"--fanout must be >= 1, got {args.fanout}")
     return LLM(args.model, spec, k, draft_min=args.draft_min, draft_p_min=args.draft_p_min,
-               adaptive_draft=args.adaptive, ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+               adaptive_draft=args.adaptive, async_draft=args.async_draft, async_fanout=args.fanout,
+               ngram_min=args.ngram_min, ngram_max=args.ngram_max,
                device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
 
 

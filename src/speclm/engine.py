@@ -154,5 +154,8 @@ def generate_tokens(
             if finish is not None:
                 return
     finally:
+        close = getattr(drafter, "finish", None)
+        if callable(close):  # a drafter's worker threads never outlive the request
+            close()
         stats.total_time_s = time.perf_counter() - start
         stats.drafter_report = drafter_report(drafter)

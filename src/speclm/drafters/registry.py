@@ -8,8 +8,10 @@ drafter is one entry here and no name is tested for anywhere else.
     layerskip[:skip=3,5-9,refresh=0] the target minus some layers; the set is searched per model
                                      (measured speedup, cached) unless given
     early-exit[:layers=N]            the target's first N layers (default: a third)
-    draft:path=PATH[,p_min=0,tree=0,budget=16]  a smaller model with the target's tokenizer;
-                                     tree=N grows a dynamic token tree (N children per expansion)
+    draft:path=PATH[,p_min=0,tree=0,budget=16,async=0,fanout=8,threads=1]  a smaller model
+                                     with the target's tokenizer; tree=N grows a dynamic token
+                                     tree (N children per expansion); async=1 drafts the next
+                                     round for the likely outcomes while the target verifies
     distilled[:path=DIR,p_min=0,tree=0,budget=16]  the draft model `speclm distill` made
     medusa:path=DIR                  Medusa heads from `speclm train-drafter` (static tree)
     eagle:path=DIR[,tree=4,budget=16]  an EAGLE head from `speclm train-drafter`; dynamic tree
@@ -65,6 +67,10 @@ def _check_p_min(o: dict) -> None:
         raise SpeclmError("tree must be >= 0 (0: a chain) and budget >= 1")
     if o.get("tree") and o["p_min"] > 0:
         raise SpeclmError("p_min applies to chains; a tree spends its budget by confidence")
+    if o.get("async") and (o.get("tree") or o["p_min"] > 0):
+        raise SpeclmError("async drafting drafts chains: drop tree= and p_min=")
+    if o.get("fanout", 1) < 1 or o.get("threads", 1) < 1:
+        raise SpeclmError("fanout and threads must be >= 1")
     if o.get("path") not in (None, "default") and not Path(o["path"]).expanduser().exists():
         raise SpeclmError(f"model path {o['path']!r} does not exist")
 
@@ -118,8 +124,16 @@ def _tree_shape(o: dict):
     return TreeShape(top_k=o["tree"], budget=o["budget"]) if o.get("tree") else None
 
 
+def _maybe_async(drafter: Drafter, o: dict) -> Drafter:
+    if not o["async"]:
+        return drafter
+    from .ssd import make_async
+
+    return make_async(drafter, o["fanout"], o["threads"])
+
+
 def _draft(ctx: BuildContext, o: dict) -> Drafter:
-    return ctx.load_draft(o["path"], o["p_min"], _tree_shape(o))
+    return _maybe_async(ctx.load_draft(o["path"], o["p_min"], _tree_shape(o)), o)
 
 
 def _distilled(ctx: BuildContext, o: dict) -> Drafter:
@@ -129,7 +143,7 @@ def _distilled(ctx: BuildContext, o: dict) -> Drafter:
     if path is None:
         raise SpeclmError("no distilled draft model for this target yet; make one with "
                           "`speclm distill --target MODEL --layers N` (or give path=DIR)")
-    return ctx.load_draft(str(path), o["p_min"], _tree_shape(o))
+    return _maybe_async(ctx.load_draft(str(path), o["p_min"], _tree_shape(o)), o)
 
 
 def _check_learned(o: dict) -> None:
@@ -190,6 +204,9 @@ def _check_auto(o: dict) -> None:
         raise SpeclmError("auto needs probe >= 2 and every >= 1")
 
 
+# speculative speculative decoding (drafters/ssd.py): draft ahead while the target verifies
+_ASYNC = {"async": (int, 0), "fanout": (int, 8), "threads": (int, 1)}
+
 KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
     DrafterKind("ngram", "prompt lookup: continue the latest earlier n-gram of this request",
                 {"min": (int, 2), "max": (int, 3)}, 10, _ngram, _check_ngram,
@@ -204,11 +221,11 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
     DrafterKind("early-exit", "the target's first N layers (default: a third), norm and LM head",
                 {"layers": (int, 0), "p_min": (float, 0.0)}, 3, _early_exit, _check_p_min),
     DrafterKind("draft", "a smaller model sharing the target's tokenizer (tree=N: a token tree)",
-                {"path": (str, REQUIRED), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16)},
-                5, _draft, _check_p_min),
+                {"path": (str, REQUIRED), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16),
+                 **_ASYNC}, 5, _draft, _check_p_min),
     DrafterKind("distilled", "the draft model `speclm distill` made for this target",
-                {"path": (str, None), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16)},
-                5, _distilled, _check_p_min),
+                {"path": (str, None), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16),
+                 **_ASYNC}, 5, _distilled, _check_p_min),
     DrafterKind("medusa", "Medusa heads made by `speclm train-drafter` (a static token tree)",
                 {"path": (str, REQUIRED)}, 4, _medusa, _check_learned),
     DrafterKind("eagle", "an EAGLE head made by `speclm train-drafter` (a dynamic token tree)",
