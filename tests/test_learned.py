@@ -209,9 +209,11 @@ def test_best_static_tree_is_a_tree_in_order_of_estimated_acceptance():
 
 
 @pytest.mark.parametrize("method", ["medusa", "eagle"])
-def test_train_drafter_command_end_to_end(method, model_dirs, tmp_path, capsys):
+def test_train_drafter_command_end_to_end(method, model_dirs, tmp_path, capsys, monkeypatch):
     from speclm import LLM
     from speclm.cli import main
+
+    monkeypatch.setenv("SPECLM_CACHE_DIR", str(tmp_path / "cache"))  # the answers cache
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(f'{{"turns": ["the quick brown fox number {i}"]}}\n' for i in range(12)))

@@ -2,8 +2,9 @@
 
 The target answers the prompts greedily (speclm's built-in training prompts, disjoint from
 Spec-Bench, and/or the user's), then one teacher-forced pass per sequence records its hidden
-states at the drafter's feature layers. Both are cached in the output folder, keyed by what made
-them, so a resumed or repeated run does not regenerate them.
+states at the drafter's feature layers. The answers are cached in the speclm cache (shared by
+every drafter trained for the same target and prompts), the features in the output folder; both
+are keyed by what made them, so a resumed or repeated run does not regenerate them.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def build_dataset(model, tokenizer, eos_ids: list[int], prompts: list[str], *, t
                   folder: Path, batch_size: int = 8, progress: bool = True) -> list[Sequence]:
     """Answers + features for ``prompts``, from ``folder``'s cache when it matches."""
     from ..distill.data import target_answers
+    from ..models.loading import cache_dir
 
     key = _key(target_name, fingerprint, prompts, max_new_tokens, feature_layers)
     path = folder / CACHE_FILE
@@ -51,11 +53,19 @@ def build_dataset(model, tokenizer, eos_ids: list[int], prompts: list[str], *, t
             print(f"speclm: using cached training data ({len(cached['ids'])} sequences) from {path}",
                   file=sys.stderr)
             return [Sequence(i, int(p), f) for i, p, f in zip(cached["ids"], cached["prompt_len"], cached["features"])]
-    examples = target_answers(model, tokenizer, prompts, eos_ids, max_new_tokens=max_new_tokens,
-                              batch_size=batch_size, progress=progress)
-    sequences = [Sequence(e.ids, e.prompt_len, hidden_features(model, e.ids, feature_layers))
-                 for e in tqdm(examples, desc="target features", unit="seq", disable=not progress,
-                               file=sys.stderr)]
+    answers_path = cache_dir() / "answers" / f"{_key(target_name, fingerprint, prompts, max_new_tokens, [])}.pt"
+    if answers_path.is_file():
+        answers = torch.load(answers_path, weights_only=True)
+        pairs = list(zip(answers["ids"], answers["prompt_len"]))
+    else:
+        examples = target_answers(model, tokenizer, prompts, eos_ids, max_new_tokens=max_new_tokens,
+                                  batch_size=batch_size, progress=progress)
+        pairs = [(e.ids, e.prompt_len) for e in examples]
+        answers_path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(dict(ids=[i for i, _ in pairs], prompt_len=[p for _, p in pairs]), answers_path)
+    sequences = [Sequence(ids, int(plen), hidden_features(model, ids, feature_layers))
+                 for ids, plen in tqdm(pairs, desc="target features", unit="seq", disable=not progress,
+                                       file=sys.stderr)]
     torch.save(dict(key=key, ids=[s.ids for s in sequences], prompt_len=[s.prompt_len for s in sequences],
                     features=[s.features for s in sequences]), path)
     return sequences
