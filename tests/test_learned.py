@@ -45,20 +45,22 @@ def drafters(target):
     tokens (correctness must not depend on the drafter being good)."""
     gen = torch.Generator().manual_seed(0)
     heads = MedusaHeads.create(target, 3, torch.arange(V)).double()
+    shared = MedusaHeads.create(target, 3, None).double()  # the target's own LM head
     eagle = EagleHead.create(target, LAYERS, torch.arange(V)).double()
     with torch.no_grad():
-        for p in list(heads.blocks.parameters()) + list(eagle.parameters()):
+        for p in list(heads.blocks.parameters()) + list(shared.parameters()) + list(eagle.parameters()):
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
     paths = best_static_tree([[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]], 10)
     embed = target.get_input_embeddings()
     return {
         "medusa": lambda: MedusaDrafter(heads, paths),
+        "medusa-shared-head": lambda: MedusaDrafter(shared, paths),
         "eagle-chain": lambda: EagleDrafter(eagle, embed, LAYERS, V, None),
         "eagle-tree": lambda: EagleDrafter(eagle, embed, LAYERS, V, TreeShape(3, 10)),
     }
 
 
-@pytest.mark.parametrize("name", ["medusa", "eagle-chain", "eagle-tree"])
+@pytest.mark.parametrize("name", ["medusa", "medusa-shared-head", "eagle-chain", "eagle-tree"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_identity(target, name, k):
     lm = backend(target)
@@ -220,11 +222,12 @@ def test_train_drafter_command_end_to_end(method, model_dirs, tmp_path, capsys, 
     out = tmp_path / method
     argv = ["train-drafter", "--method", method, "--target", str(model_dirs["target"]), "--out", str(out),
             "--prompts", str(prompts), "--no-default-prompts", "--max-new-tokens", "12", "--epochs", "2",
-            "--draft-vocab", "128", "--batch-size", "4", "--heads", "2"]
+            "--batch-size", "4", "--heads", "2"] + (["--draft-vocab", "128"] if method == "eagle" else [])
     assert main(argv) == 0
     assert (out / "drafter.json").is_file() and (out / "drafter.safetensors").is_file()
     config = DrafterConfig.load(out)
     assert config.kind == method and config.training["epochs"] == 2
+    assert (config.draft_vocab_size == 0) == (method == "medusa")  # medusa shares the target's head
     assert len(config.training["held_out_accuracy"]) >= 1
     capsys.readouterr()
     assert main(argv) == 0  # a second run finds the cached data and the finished state

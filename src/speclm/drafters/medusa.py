@@ -1,5 +1,7 @@
 """Medusa drafting: K heads on the target's last hidden state propose a static token tree.
 
+The heads share the target's LM head (Medusa's design), or use a reduced-vocabulary head.
+
 After every round the engine hands over the target's last-layer hidden state at the last
 position it ran (the one whose logits gave the new pending token). Head d's top candidates are
 guesses for the token d places after the pending one, and a fixed tree (a list of paths of
@@ -60,11 +62,12 @@ class MedusaDrafter:
             return Draft.empty(ctx.token_ids.device)
         depth = min(ctx.max_tokens, self.heads.num_heads)
         tree = self.trees[depth]
-        param = self.heads.lm_head.weight
+        param = next(self.heads.parameters())
         logits = self.heads(self.last_hidden.to(param.device, param.dtype))  # [K, N]
         candidates = self.heads.draft_to_target[torch.topk(logits, self.top, dim=-1).indices]  # [K, top]
         k = tree.num_nodes
-        return Draft(candidates[self.depth_of[:k], self.rank_of[:k]], None, tree)
+        pick = (self.depth_of[:k].to(candidates.device), self.rank_of[:k].to(candidates.device))
+        return Draft(candidates[pick], None, tree)
 
     def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
         pass

@@ -55,7 +55,8 @@ class TargetIdentity:
 class DrafterConfig:
     kind: str  # "medusa" or "eagle"
     target: TargetIdentity
-    draft_vocab_size: int  # rows of the draft head; ids map to the target's through draft_to_target
+    draft_vocab_size: int  # rows of the draft head (ids map to the target's through draft_to_target);
+    #                        0: the drafter uses the target's own LM head
     feature_layers: list[int] = field(default_factory=list)  # target hidden states it reads
     num_heads: int = 0  # medusa: heads (draft depth)
     training: dict = field(default_factory=dict)  # how it was made: data, epochs, time, acceptance

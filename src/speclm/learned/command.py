@@ -39,8 +39,10 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                    help="stop training after this long (data generation not counted)")
     p.add_argument("--batch-size", type=number(int), default=8, help="sequences per step (default: %(default)s)")
     p.add_argument("--lr", type=number(float), default=None, help="learning rate (default: 3e-4 eagle, 1e-3 medusa)")
-    p.add_argument("--draft-vocab", type=number(int), default=8192,
-                   help="tokens the drafter can propose: the most frequent in the data (default: %(default)s)")
+    p.add_argument("--draft-vocab", type=number(int), default=None,
+                   help="tokens the drafter can propose, the most frequent in the data; 0: the "
+                        "target's whole vocabulary through its own LM head, shared (default: 0 for "
+                        "medusa, as in Medusa; 8192 for eagle)")
     p.add_argument("--heads", type=number(int), default=4, help="medusa: number of heads (default: %(default)s)")
     p.add_argument("--tree-budget", type=number(int), default=24,
                    help="medusa: nodes of the static tree built from held-out accuracy (default: %(default)s)")
@@ -107,7 +109,11 @@ def run(args: argparse.Namespace) -> int:
     random.Random(args.seed).shuffle(sequences)
     cut = max(1, int(len(sequences) * args.held_out))
     held_out, train = sequences[:cut], sequences[cut:]
-    draft_ids = draft_vocabulary(train, args.draft_vocab, identity.vocab_size, sorted(loaded.backend.eos_token_ids))
+    vocab = args.draft_vocab if args.draft_vocab is not None else (0 if args.method == "medusa" else 8192)
+    if vocab == 0 and args.method == "eagle":
+        vocab = identity.vocab_size  # the whole vocabulary, in its own trained head
+    draft_ids = (None if vocab == 0 else
+                 draft_vocabulary(train, vocab, identity.vocab_size, sorted(loaded.backend.eos_token_ids)))
     device = loaded.backend.device
     if args.method == "medusa":
         module = MedusaHeads.create(target, args.heads, draft_ids).to(device)
@@ -126,7 +132,6 @@ def run(args: argparse.Namespace) -> int:
         if saved.get("method") != args.method or saved.get("fingerprint") != identity.fingerprint:
             raise SpeclmError(f"{state_path} is a {saved.get('method')} run for another target or method; "
                               "use --restart or another --out")
-        module.draft_to_target.copy_(saved["trainer"]["module"]["draft_to_target"])
         trainer.load_state_dict(saved["trainer"])
         print(f"speclm: resuming at epoch {trainer.state.epoch + 1} ({trainer.state.seconds / 60:.1f} min "
               "trained so far)", file=sys.stderr)
@@ -144,7 +149,8 @@ def run(args: argparse.Namespace) -> int:
             from ..drafters.medusa import best_static_tree
 
             training["tree"] = best_static_tree(accuracy, args.tree_budget)
-        config = DrafterConfig(kind=args.method, target=identity, draft_vocab_size=int(draft_ids.shape[0]),
+        config = DrafterConfig(kind=args.method, target=identity,
+                               draft_vocab_size=0 if draft_ids is None else int(draft_ids.shape[0]),
                                feature_layers=layers, num_heads=args.heads if args.method == "medusa" else 0,
                                training=training)
         save_weights(module, out)
@@ -159,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     if not trainer.state.history:
         write(None)
     params = sum(p.numel() for p in module.parameters())
+    vocab_text = "the target's LM head (shared)" if draft_ids is None else f"{draft_ids.shape[0]} tokens"
     print(f"wrote {out}: {args.method} drafter, {params / 1e6:.1f}M parameters, draft vocabulary "
-          f"{draft_ids.shape[0]}, trained {trainer.state.seconds / 60:.1f} min on {len(train)} answers")
+          f"{vocab_text}, trained {trainer.state.seconds / 60:.1f} min on {len(train)} answers")
     return 0

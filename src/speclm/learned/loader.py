@@ -35,8 +35,10 @@ def load_learned_drafter(folder: str | Path, target: HFCausalLM, kind: str, *, t
         print(f"speclm: warning: {warning}", file=sys.stderr)
     dtype = torch.float64 if target.dtype == torch.float64 else torch.float32  # small: keep it exact
     if config.kind == "medusa":
-        module = MedusaHeads(config.target.hidden_size, config.num_heads, config.draft_vocab_size)
+        module = MedusaHeads(config.target.hidden_size, config.num_heads, config.draft_vocab_size or None)
         load_weights(module, folder)
+        if not config.draft_vocab_size:
+            module.share_head(target.model.get_output_embeddings())
         paths = config.training.get("tree") or [[0] * d for d in range(1, config.num_heads + 1)]
         return MedusaDrafter(module.to(target.device, dtype), paths)
     module = EagleHead(target.model.config, len(config.feature_layers), config.draft_vocab_size)

@@ -1,9 +1,10 @@
-"""The trained drafter networks. Both read the target's hidden states and draft over a reduced
-vocabulary (the most frequent tokens of the training data, ``draft_to_target`` maps a draft id to
-the target's), so their output layer costs a fraction of the target's.
+"""The trained drafter networks. Both read the target's hidden states. They can draft over a
+reduced vocabulary (the most frequent tokens of the training data; ``draft_to_target`` maps a
+draft id to the target's), so that their output layer costs a fraction of the target's.
 
 - :class:`MedusaHeads` (Cai et al., 2024): K residual blocks on the target's last hidden state
-  h_t; head k's logits predict the token k + 1 places after the one h_t predicts.
+  h_t, sharing the target's LM head (or a reduced-vocabulary head); head k's logits predict the
+  token k + 1 places after the one h_t predicts.
 - :class:`EagleHead` (Li et al., 2024-2025; EAGLE-3's multi-layer features): one stock decoder
   layer over (fused target features at t, embedding of token t + 1), predicting token t + 2.
   It is autoregressive at the feature level: for positions the target has not run, its own
@@ -26,30 +27,52 @@ def _draft_head(target_head: nn.Module, draft_to_target: torch.Tensor) -> nn.Lin
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int, draft_vocab_size: int) -> None:
+    """K residual blocks; their logits come from the target's own LM head (shared, as in Medusa:
+    ``draft_vocab_size=None``) or from a trained head over a reduced vocabulary."""
+
+    def __init__(self, hidden_size: int, num_heads: int, draft_vocab_size: int | None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
         for block in self.blocks:  # zero init: each head starts as the target's own head
             nn.init.zeros_(block.weight)
             nn.init.zeros_(block.bias)
-        self.lm_head = nn.Linear(hidden_size, draft_vocab_size, bias=False)
-        self.register_buffer("draft_to_target", torch.zeros(draft_vocab_size, dtype=torch.long))
+        self.lm_head = None if draft_vocab_size is None else nn.Linear(hidden_size, draft_vocab_size, bias=False)
+        self._shared: list[nn.Module] = []  # the target's head, not a submodule: never saved
+        if draft_vocab_size is not None:
+            self.register_buffer("draft_to_target", torch.zeros(draft_vocab_size, dtype=torch.long))
 
     @staticmethod
-    def create(target: nn.Module, num_heads: int, draft_to_target: torch.Tensor) -> MedusaHeads:
-        heads = MedusaHeads(target.config.hidden_size, num_heads, draft_to_target.shape[0])
-        heads.lm_head = _draft_head(target.get_output_embeddings(), draft_to_target)
-        heads.draft_to_target.copy_(draft_to_target)
+    def create(target: nn.Module, num_heads: int, draft_to_target: torch.Tensor | None) -> MedusaHeads:
+        """``draft_to_target`` None: share the target's LM head; else a head over those ids."""
+        size = None if draft_to_target is None else draft_to_target.shape[0]
+        heads = MedusaHeads(target.config.hidden_size, num_heads, size)
+        if draft_to_target is None:
+            heads.share_head(target.get_output_embeddings())
+        else:
+            heads.lm_head = _draft_head(target.get_output_embeddings(), draft_to_target)
+            heads.draft_to_target.copy_(draft_to_target)
         return heads
+
+    def share_head(self, head: nn.Module) -> None:
+        self._shared[:] = [head]
+        if "draft_to_target" not in self._buffers:
+            self.register_buffer("draft_to_target", torch.arange(head.weight.shape[0]), persistent=False)
 
     @property
     def num_heads(self) -> int:
         return len(self.blocks)
 
+    def head_logits(self, d: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head d's logits [..., N] from the target's last hidden state [..., H]."""
+        state = hidden + nn.functional.silu(self.blocks[d](hidden))
+        if self.lm_head is not None:
+            return self.lm_head(state)
+        head = self._shared[0]
+        return nn.functional.linear(state.to(head.weight.dtype), head.weight).to(state.dtype)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] (the target's last hidden state) -> logits [K, ..., N]."""
-        states = torch.stack([hidden + nn.functional.silu(block(hidden)) for block in self.blocks])
-        return self.lm_head(states)
+        return torch.stack([self.head_logits(d, hidden) for d in range(self.num_heads)])
 
 
 def _layer_config(target_config):

@@ -177,13 +177,12 @@ class Trainer:
 
 class MedusaTrainer(Trainer):
     def _logits_labels(self, batch):
+        """Per head, (logits [B, T', N], labels [B, T']): head d at position t predicts the token
+        at t + 1 + (d + 1) = t + d + 2. Heads are computed one at a time (full-vocabulary logits
+        are large)."""
         ids, feats, labels = batch
-        logits = self.module(feats)  # [K, B, T, N]
-        heads = logits.shape[0]
-        # head d at position t predicts the token at t + 1 + (d + 1) = t + d + 2
-        pairs = [(logits[d, :, : -(d + 2)], labels[:, d + 2 :]) for d in range(heads)
-                 if labels.shape[1] > d + 2]
-        return pairs
+        return [(self.module.head_logits(d, feats[:, : -(d + 2)]), labels[:, d + 2 :])
+                for d in range(self.module.num_heads) if labels.shape[1] > d + 2]
 
     def loss(self, batch):
         pairs = self._logits_labels(batch)
