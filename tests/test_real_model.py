@@ -73,3 +73,42 @@ def test_training_free_drafters_greedy_identity(llm, prompts, text):
         assert out.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
         accepted += out.stats.accepted_tokens
     assert accepted > 0
+
+
+def _learned_drafters(llm):
+    """Untrained (warm-started) learned drafters: they exercise the real shapes and feature
+    plumbing; acceptance does not matter for identity."""
+    import torch
+
+    from speclm.drafters.eagle import EagleDrafter
+    from speclm.drafters.medusa import MedusaDrafter
+    from speclm.drafters.tree_search import TreeShape
+    from speclm.learned.modules import EagleHead, MedusaHeads
+
+    model = llm.target.model
+    ids = torch.arange(4096)
+    eagle = EagleHead.create(model, [2, 15, 29], ids)
+    return {
+        "medusa": MedusaDrafter(MedusaHeads.create(model, 3, None), [[0], [1], [0, 0], [0, 0, 0]]),
+        "eagle-tree": EagleDrafter(eagle, model.get_input_embeddings(), [2, 15, 29], llm.target.vocab_size,
+                                   TreeShape(4, 12)),
+    }
+
+
+@pytest.mark.parametrize("text", ["draft:path=default,tree=3,budget=10", "async-self-draft",
+                                  "medusa", "eagle-tree"])
+def test_trees_learned_and_async_drafters_greedy_identity(llm, prompts, text):
+    """Token trees through the real model's 4D mask, learned drafters on its features, and
+    asynchronous drafting with a worker thread: all token-identical to plain decoding."""
+    if text == "async-self-draft":
+        spec = llm.make_speculation("default", 3, async_draft=True, async_fanout=4)
+    elif text in ("medusa", "eagle-tree"):
+        spec = llm.make_speculation(_learned_drafters(llm)[text], 3)
+    else:
+        spec = llm.make_speculation(text, 3)
+    params = SamplingParams(max_tokens=20)
+    for p in prompts[:2]:
+        messages = [{"role": "user", "content": p["turns"][0]}]
+        plain = llm.chat(messages, params, speculative=False)
+        out = llm.chat(messages, params, speculative=spec)
+        assert out.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
