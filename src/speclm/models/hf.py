@@ -1,8 +1,8 @@
 """Hugging Face transformers backend: any ``AutoModelForCausalLM`` with a croppable cache.
 
 The stock model runs unmodified (no forked model file); positions are passed explicitly and the
-cache is a ``DynamicCache`` wrapped in :class:`KVCache`, which enforces the append/rollback
-contract and fails loudly when the engine breaks it.
+cache is a :class:`~.kv_cache.KVCache`, which enforces the append/rollback contract and fails
+loudly when the engine breaks it.
 """
 
 from __future__ import annotations
@@ -11,64 +11,11 @@ from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from ..errors import CacheContractError, SpeclmError
+from ..errors import SpeclmError
 from ..tree import TreeMeta
 from .base import ForwardOutput
-
-
-class KVCache:
-    """One sequence's keys and values, with the number of positions they cover.
-
-    Rollback is a crop: rejected positions are cut off the end in place, no recomputation.
-    """
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        self._config = model.config
-        self.reset()
-
-    def _new_cache(self) -> DynamicCache:
-        cache = DynamicCache(config=self._config)
-        # sliding-window layers drop old states unless told to keep them for rollback
-        cache.activate_past_recording()
-        return cache
-
-    def check_append(self, start_pos: int) -> None:
-        if start_pos != self.length:
-            raise CacheContractError(
-                f"append at position {start_pos} but the cache holds {self.length} positions; "
-                "roll back explicitly before rewriting history"
-            )
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise CacheContractError(f"cannot roll back to {length}: cache holds {self.length}")
-        if length < self.length:
-            self.hf.crop(length - self.length)  # transformers 5: a negative count to drop
-            self.length = length
-
-    @torch.inference_mode()  # the cached tensors are inference tensors
-    def compact(self, start: int, keep: list[int]) -> None:
-        """Move the entries at start + keep[i] to start + i (keep ascending), then crop."""
-        if keep == list(range(len(keep))):
-            self.rollback(start + len(keep))
-            return
-        if not 0 <= start <= self.length or (keep and (keep[0] < 0 or start + keep[-1] >= self.length)):
-            raise CacheContractError(f"cannot keep {keep} after {start}: cache holds {self.length}")
-        src = torch.tensor(keep, dtype=torch.long) + start
-        for layer in self.hf.layers:
-            if type(layer) is not DynamicLayer or layer.keys is None:
-                raise CacheContractError(f"{type(layer).__name__} cannot be compacted after a tree")
-            index = src.to(layer.keys.device)
-            layer.keys[:, :, start : start + len(keep)] = layer.keys.index_select(2, index)
-            layer.values[:, :, start : start + len(keep)] = layer.values.index_select(2, index)
-        self.hf.crop(start + len(keep) - self.length)
-        self.length = start + len(keep)
-
-    def reset(self) -> None:
-        self.hf = self._new_cache()
-        self.length = 0
+from .kv_cache import KVCache, supports_trees
 
 
 class HFCausalLM:
@@ -84,8 +31,7 @@ class HFCausalLM:
         self.num_layers = int(getattr(model.config, "num_hidden_layers", 0))
         self._cache = KVCache(model)
         # a tree mask replaces the model's own masks, so trees need plain full-attention layers
-        self.supports_trees = all(type(layer) is DynamicLayer for layer in self._cache.hf.layers) and not any(
-            isinstance(layer, DynamicSlidingWindowLayer) for layer in self._cache.hf.layers)
+        self.supports_trees = supports_trees(self._cache.hf)
         if not self._cache.hf.is_croppable:
             raise SpeclmError(
                 f"{type(model).__name__} uses a cache that cannot be rolled back "
