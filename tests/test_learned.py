@@ -120,7 +120,9 @@ def _sequences(target, count=6, length=24, layers=LAYERS):
         prompt = torch.randint(1, V, (4 + i % 3,), generator=torch.Generator().manual_seed(100 + i))
         answer, _ = run(lm, prompt, SamplingParams(max_tokens=length, ignore_eos=True))
         ids = torch.cat([prompt, torch.tensor(answer)])
-        out.append(Sequence(ids, prompt.shape[0], hidden_features(target, ids, layers).double()))
+        features, target_next = hidden_features(target, ids, layers)
+        assert torch.equal(target_next[prompt.shape[0] - 1 : -1], ids[prompt.shape[0]:].int())  # greedy
+        out.append(Sequence(ids, prompt.shape[0], features.double(), target_next))
     return out
 
 
@@ -133,7 +135,7 @@ def test_unrolled_training_steps_equal_drafting(target):
                            batch_size=1, lr=1e-3, device="cpu", max_seconds=None, unroll=2, progress=False)
     batch = _pad([seq], trainer.table, "cpu", torch.float64)
     with torch.no_grad():
-        steps = trainer._steps(batch)  # [(logits [1, T', N], labels)]
+        steps = trainer.predictions(batch, everywhere=False)  # [(logits [1, T', N], labels)]
     drafter = EagleDrafter(head, target.get_input_embeddings(), LAYERS, V, None)
     t = 9  # the drafter has committed tokens 0..t (pending t) and features for 0..t-1
     drafter.reset(seq.ids[: t + 1])

@@ -24,18 +24,20 @@ CACHE_FILE = "data-cache.pt"
 
 def _key(target_name: str, fingerprint: float, prompts: list[str], max_new_tokens: int,
          feature_layers: list[int]) -> str:
-    text = json.dumps([target_name, fingerprint, prompts, max_new_tokens, feature_layers])
+    text = json.dumps([2, target_name, fingerprint, prompts, max_new_tokens, feature_layers])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @torch.inference_mode()
-def hidden_features(model, ids: torch.Tensor, layers: list[int]) -> torch.Tensor:
+def hidden_features(model, ids: torch.Tensor, layers: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's hidden states at ``layers`` for every position of ``ids`` ([T]):
-    [T, len(layers) * H] float16 on the CPU (index -1: the last layer after the final norm)."""
+    [T, len(layers) * H] float16 on the CPU (index -1: the last layer after the final norm), and
+    its greedy choice after each position: [T] int32."""
     wanted = [i % (model.config.num_hidden_layers + 1) for i in layers]
     out = model(input_ids=ids.view(1, -1).to(model.device), use_cache=False,
-                output_hidden_states=wanted, logits_to_keep=1)
-    return torch.cat([out.hidden_states[i][0] for i in wanted], dim=-1).to("cpu", torch.float16)
+                output_hidden_states=wanted, logits_to_keep=0)
+    features = torch.cat([out.hidden_states[i][0] for i in wanted], dim=-1).to("cpu", torch.float16)
+    return features, out.logits[0].argmax(-1).to("cpu", torch.int32)
 
 
 def build_dataset(model, tokenizer, eos_ids: list[int], prompts: list[str], *, target_name: str,
@@ -52,8 +54,10 @@ def build_dataset(model, tokenizer, eos_ids: list[int], prompts: list[str], *, t
         if cached.get("key") == key:
             print(f"speclm: using cached training data ({len(cached['ids'])} sequences) from {path}",
                   file=sys.stderr)
-            return [Sequence(i, int(p), f) for i, p, f in zip(cached["ids"], cached["prompt_len"], cached["features"])]
-    answers_path = cache_dir() / "answers" / f"{_key(target_name, fingerprint, prompts, max_new_tokens, [])}.pt"
+            return [Sequence(i, int(p), f, n) for i, p, f, n in
+                    zip(cached["ids"], cached["prompt_len"], cached["features"], cached["target_next"])]
+    answers_key = hashlib.sha256(json.dumps([target_name, fingerprint, prompts, max_new_tokens, []]).encode())
+    answers_path = cache_dir() / "answers" / f"{answers_key.hexdigest()[:16]}.pt"
     if answers_path.is_file():
         answers = torch.load(answers_path, weights_only=True)
         pairs = list(zip(answers["ids"], answers["prompt_len"]))
@@ -63,9 +67,10 @@ def build_dataset(model, tokenizer, eos_ids: list[int], prompts: list[str], *, t
         pairs = [(e.ids, e.prompt_len) for e in examples]
         answers_path.parent.mkdir(parents=True, exist_ok=True)
         torch.save(dict(ids=[i for i, _ in pairs], prompt_len=[p for _, p in pairs]), answers_path)
-    sequences = [Sequence(ids, int(plen), hidden_features(model, ids, feature_layers))
+    sequences = [Sequence(ids, int(plen), *hidden_features(model, ids, feature_layers))
                  for ids, plen in tqdm(pairs, desc="target features", unit="seq", disable=not progress,
                                        file=sys.stderr)]
     torch.save(dict(key=key, ids=[s.ids for s in sequences], prompt_len=[s.prompt_len for s in sequences],
-                    features=[s.features for s in sequences]), path)
+                    features=[s.features for s in sequences], target_next=[s.target_next for s in sequences]),
+               path)
     return sequences

@@ -1,13 +1,20 @@
 """Training Medusa heads and the EAGLE head on the target's own answers (self-distillation).
 
-The data are sequences (prompt + the target's answer) with the target's hidden states at every
-position. Losses are cross-entropy against the target's own next tokens, on answer positions only:
+The data are sequences (prompt + the target's answer) with the target's hidden states and its own
+greedy next-token choice at every position. Losses are cross-entropy against the target's choices:
 
-- Medusa head d at position t learns token t + 1 + d (its label: what the target said there).
+- Medusa head d at position t learns token t + 2 + d.
 - The EAGLE head learns token t + 2 from the pair (features at t, token t + 1), and then, as at
   drafting time, from its own output standing in for the target's features ("training-time
   test", EAGLE-3): ``unroll`` extra steps, each attending to the true pairs before it and its
   own earlier steps on the diagonal, exactly the attention pattern of a draft chain.
+
+The first prediction (Medusa's first head, EAGLE's first step) learns at every position, prompt
+included: the label there is the target's own choice given the text so far, which is exactly what
+verification will compare against, and prompts are most of the tokens. Deeper predictions learn
+on the answers only, where the text is the target's own greedy continuation (in a prompt, the next
+token need not be the target's choice, so a chain of guesses would be judged against the wrong
+prefix).
 
 After every epoch a held-out split measures top-k accuracy per draft position: the chance the
 target accepts the drafter's guess there, which is what acceptance will be.
@@ -33,6 +40,7 @@ class Sequence:
     ids: torch.Tensor  # [T] prompt + answer
     prompt_len: int  # answer tokens start here
     features: torch.Tensor  # [T, F] target hidden states (the drafter's feature layers), float16
+    target_next: torch.Tensor | None = None  # [T] the target's greedy choice after each position
 
 
 @dataclass
@@ -44,10 +52,12 @@ class TrainState:
 
 
 def draft_vocabulary(sequences: list[Sequence], size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
-    """The ``size`` most frequent answer tokens (plus ``always``, e.g. EOS), sorted: [N] ids."""
+    """The ``size`` tokens the target chooses most often in the data (plus ``always``, e.g.
+    EOS), sorted: [N] ids."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in sequences:
-        counts += torch.bincount(s.ids[s.prompt_len :], minlength=vocab_size)
+        chosen = s.target_next if s.target_next is not None else s.ids[s.prompt_len :]
+        counts += torch.bincount(chosen.long(), minlength=vocab_size)
     counts[torch.tensor(always, dtype=torch.long)] = counts.max() + 1
     size = min(size, vocab_size)
     return torch.sort(torch.topk(counts, size).indices).values
@@ -67,19 +77,25 @@ def _batches(items: list, size: int, rng: random.Random) -> list[list]:
 
 
 def _pad(sequences: list[Sequence], table: torch.Tensor, device, dtype=torch.float32) -> tuple:
-    """Right-pad a batch: ids [B, T], features [B, T, F], labels [B, T] (draft ids of the
-    answer tokens, IGNORE elsewhere), lengths [B]."""
+    """Right-pad a batch: ids [B, T], features [B, T, F], and two label tensors [B, T] holding,
+    at position p, the draft id of the target's choice for p: ``answer`` on answer positions only,
+    ``everywhere`` at every position (IGNORE elsewhere, and where the draft vocabulary lacks it)."""
     width = max(s.ids.shape[0] for s in sequences)
     feat_dim = sequences[0].features.shape[1]
     ids = torch.zeros(len(sequences), width, dtype=torch.long)
     feats = torch.zeros(len(sequences), width, feat_dim, dtype=dtype)
-    labels = torch.full((len(sequences), width), IGNORE, dtype=torch.long)
+    answer = torch.full((len(sequences), width), IGNORE, dtype=torch.long)
+    everywhere = answer.clone()
     for b, s in enumerate(sequences):
         t = s.ids.shape[0]
         ids[b, :t] = s.ids
         feats[b, :t] = s.features.to(dtype)
-        labels[b, s.prompt_len : t] = table[s.ids[s.prompt_len :]]
-    return ids.to(device), feats.to(device), labels.to(device)
+        answer[b, s.prompt_len : t] = table[s.ids[s.prompt_len :]]
+        if s.target_next is not None:
+            everywhere[b, 1:t] = table[s.target_next[: t - 1].long()]
+        else:
+            everywhere[b] = answer[b]
+    return ids.to(device), feats.to(device), answer.to(device), everywhere.to(device)
 
 
 class Trainer:
@@ -103,12 +119,20 @@ class Trainer:
             self.optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
         self.state = TrainState()
 
-    def loss(self, batch) -> tuple[torch.Tensor, dict]:  # pragma: no cover - overridden
-        raise NotImplementedError
+    def predictions(self, batch, everywhere: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft position, (logits [B, T', N], labels [B, T']); the first position's labels
+        cover every position when ``everywhere`` (training), the answers only otherwise."""
+        raise NotImplementedError  # pragma: no cover - overridden
 
-    def accuracy(self, batch, top: int) -> torch.Tensor:  # pragma: no cover - overridden
-        """[positions, top] counts of hits at rank < r + 1, plus a last column of totals."""
-        raise NotImplementedError
+    def loss(self, batch) -> tuple[torch.Tensor, dict]:
+        losses = [nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1), ignore_index=IGNORE)
+                  for lg, lb in self.predictions(batch, everywhere=True)]
+        losses = [x for x in losses if torch.isfinite(x)]
+        return sum(w * x for w, x in zip((0.8 ** d for d in range(len(losses))), losses)), {}
+
+    def accuracy(self, batch, top: int) -> torch.Tensor:
+        """[positions, top + 1]: hits at each rank, then the number of labelled positions."""
+        return _topk_hits(self.predictions(batch, everywhere=False), top)
 
     def state_dict(self) -> dict:
         return dict(module=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
@@ -176,24 +200,17 @@ class Trainer:
 
 
 class MedusaTrainer(Trainer):
-    def _logits_labels(self, batch):
-        """Per head, (logits [B, T', N], labels [B, T']): head d at position t predicts the token
-        at t + 1 + (d + 1) = t + d + 2. Heads are computed one at a time (full-vocabulary logits
-        are large)."""
-        ids, feats, labels = batch
-        return [(self.module.head_logits(d, feats[:, : -(d + 2)]), labels[:, d + 2 :])
-                for d in range(self.module.num_heads) if labels.shape[1] > d + 2]
-
-    def loss(self, batch):
-        pairs = self._logits_labels(batch)
-        losses = [nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1), ignore_index=IGNORE)
-                  for lg, lb in pairs]
-        losses = [x for x in losses if torch.isfinite(x)]
-        total = sum(w * x for w, x in zip((0.8 ** d for d in range(len(losses))), losses))
-        return total, {}
-
-    def accuracy(self, batch, top):
-        return _topk_hits([(lg, lb) for lg, lb in self._logits_labels(batch)], top)
+    def predictions(self, batch, everywhere: bool):
+        """Head d at position t predicts the token at t + d + 2 (one head at a time: logits over
+        the whole vocabulary are large)."""
+        ids, feats, answer, all_labels = batch
+        out = []
+        for d in range(self.module.num_heads):
+            if answer.shape[1] <= d + 2:
+                break
+            labels = all_labels if (everywhere and d == 0) else answer
+            out.append((self.module.head_logits(d, feats[:, : -(d + 2)]), labels[:, d + 2 :]))
+        return out
 
 
 class EagleTrainer(Trainer):
@@ -202,12 +219,12 @@ class EagleTrainer(Trainer):
         self.embedding = embedding  # the target's (frozen)
         self.unroll = unroll
 
-    def _steps(self, batch):
+    def predictions(self, batch, everywhere: bool):
         """Logits and labels of each unrolled step: step s's input at t is the head's own output
         of step s - 1 at t - 1 (step 0: the target's features at t)."""
         from transformers import DynamicCache
 
-        ids, feats, labels = batch
+        ids, feats, labels, all_labels = batch
         b, t = ids.shape
         with torch.no_grad():
             embedded = self.embedding(ids[:, 1:]).to(feats.dtype)  # [B, T - 1, H] next-token embeddings
@@ -215,7 +232,8 @@ class EagleTrainer(Trainer):
         cache = DynamicCache(config=self.module.config)
         feature = self.module.fuse(feats[:, :-1])  # [B, T - 1, H]
         out = self.module(feature, embedded, positions, None, cache)  # causal over true pairs
-        results = [(self.module.logits(out[:, :-1]), labels[:, 2:])]  # pair t predicts t + 2
+        first = all_labels if everywhere else labels
+        results = [(self.module.logits(out[:, :-1]), first[:, 2:])]  # pair t predicts t + 2
         neg = torch.finfo(out.dtype).min
         q = torch.arange(t - 1, device=ids.device)
         for s in range(1, self.unroll + 1):
@@ -236,17 +254,6 @@ class EagleTrainer(Trainer):
             out = self.module(feature, embedded[:, s:], positions[:, s:], bias.expand(b, 1, -1, -1), cache)
             results.append((self.module.logits(out[:, :-1]), labels[:, s + 2 :]))
         return results
-
-    def loss(self, batch):
-        steps = self._steps(batch)
-        losses = [nn.functional.cross_entropy(lg.reshape(-1, lg.shape[-1]), lb.reshape(-1), ignore_index=IGNORE)
-                  for lg, lb in steps]
-        losses = [x for x in losses if torch.isfinite(x)]
-        return sum(w * x for w, x in zip((0.8 ** s for s in range(len(losses))), losses)), {}
-
-    def accuracy(self, batch, top):
-        return _topk_hits(self._steps(batch), top)
-
 
 def _topk_hits(pairs, top: int) -> torch.Tensor:
     """[len(pairs), top + 1]: per position, hits at rank r (columns 0..top-1) and the total."""
