@@ -200,16 +200,28 @@ class Trainer:
 
 
 class MedusaTrainer(Trainer):
+    """Head d at position t predicts the token at t + d + 2. With the target's full LM head,
+    logits over the whole vocabulary at every position are the dominant cost, so a training step
+    scores each head at ``positions`` randomly chosen labelled positions of the batch."""
+
+    positions = 512
+
     def predictions(self, batch, everywhere: bool):
-        """Head d at position t predicts the token at t + d + 2 (one head at a time: logits over
-        the whole vocabulary are large)."""
         ids, feats, answer, all_labels = batch
         out = []
+        sample = everywhere and self.module.lm_head is None
+        gen = torch.Generator().manual_seed(self.state.step)
         for d in range(self.module.num_heads):
             if answer.shape[1] <= d + 2:
                 break
-            labels = all_labels if (everywhere and d == 0) else answer
-            out.append((self.module.head_logits(d, feats[:, : -(d + 2)]), labels[:, d + 2 :]))
+            labels = (all_labels if (everywhere and d == 0) else answer)[:, d + 2 :]
+            hidden = feats[:, : -(d + 2)]
+            if sample:  # [M] labelled positions, a random subset
+                where = torch.nonzero(labels != IGNORE)
+                pick = torch.randperm(where.shape[0], generator=gen)[: self.positions]
+                rows, cols = where[pick].unbind(1)
+                hidden, labels = hidden[rows, cols], labels[rows, cols]
+            out.append((self.module.head_logits(d, hidden), labels))
         return out
 
 
