@@ -1,0 +1,118 @@
+"""How many tokens the batch drafts per step, chosen from measured step cost.
+
+A batched step feeds ``B`` rows of ``T = 1 + K`` tokens to the target, so its cost grows with
+the batch: on a GPU a decode step is memory-bound and extra tokens are nearly free until the
+batch is large; on a CPU the cost grows with ``B * T`` almost at once. The policy therefore picks
+the cap ``K`` (0 = a plain step) that maximises expected committed tokens per second:
+
+    tokens(K) = sum over rows b of  sum_{i=0}^{min(d_b, K)} alpha_b^i
+    rate(K)   = tokens(K) / cost(B * (1 + min(K, max_b d_b)))
+
+where ``d_b`` is row b's actual draft length (prompt lookup drafts are known before the forward
+and are a function of the context, so choosing K after seeing them is lossless) and ``alpha_b``
+the row's measured per-token acceptance (an exponential moving average). ``cost(M)`` is learned
+online by :class:`StepCostModel` from the steps the server actually runs: seconds per forward
+as a function of the tokens fed, interpolated between measured sizes. Unmeasured larger sizes
+are extrapolated from the measured slope (optimistically flat before there are two points), so
+the policy explores upward once and then settles; when plain steps win, a full draft is still
+tried every ``probe_every`` steps so that a change in acceptance is noticed.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from ..draft_length import expected_tokens
+from ..errors import SpeclmError
+
+
+@dataclass
+class BatchDraftConfig:
+    draft_max: int = 10  # K cap: most tokens drafted per row per step
+    adaptive: bool = True  # choose K per step by measured cost (False: always draft_max)
+    probe_every: int = 16  # with K = 0 winning, try a full draft this often
+
+    def __post_init__(self) -> None:
+        if self.draft_max < 1:
+            raise SpeclmError(f"draft max must be >= 1, got {self.draft_max}")
+        if self.probe_every < 1:
+            raise SpeclmError(f"probe_every must be >= 1, got {self.probe_every}")
+
+
+class StepCostModel:
+    """Seconds per target forward as a function of the tokens it was fed (``B * T``)."""
+
+    _EMA = 0.2
+
+    def __init__(self) -> None:
+        self._sizes: list[int] = []  # sorted measured sizes
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        old = self._seconds.get(tokens)
+        if old is None:
+            bisect.insort(self._sizes, tokens)
+            self._seconds[tokens] = seconds
+        else:
+            self._seconds[tokens] = (1 - self._EMA) * old + self._EMA * seconds
+
+    def measured(self, tokens: int) -> bool:
+        return tokens in self._seconds
+
+    def estimate(self, tokens: int) -> float | None:
+        """Measured, interpolated or extrapolated seconds; None before any measurement."""
+        sizes, secs = self._sizes, self._seconds
+        if not sizes:
+            return None
+        if tokens in secs:
+            return secs[tokens]
+        i = bisect.bisect_left(sizes, tokens)
+        if i == 0:
+            return secs[sizes[0]]
+        if i < len(sizes):  # between two measured sizes
+            lo, hi = sizes[i - 1], sizes[i]
+            return secs[lo] + (secs[hi] - secs[lo]) * (tokens - lo) / (hi - lo)
+        if len(sizes) == 1:
+            return secs[sizes[0]]  # optimistic: explore upward once
+        lo, hi = sizes[-2], sizes[-1]
+        slope = max(0.0, (secs[hi] - secs[lo]) / (hi - lo))
+        return secs[hi] + slope * (tokens - hi)
+
+
+class BatchDraftPolicy:
+    """Chooses the batch's draft cap each step and learns from what each step cost."""
+
+    def __init__(self, config: BatchDraftConfig) -> None:
+        self.config = config
+        self.cost = StepCostModel()
+        self._plain_streak = 0
+
+    def choose(self, draft_lengths: list[int], alphas: list[float]) -> int:
+        """The cap K for a step whose rows drafted ``draft_lengths`` (proposed with the full
+        ``draft_max``) and have measured acceptance ``alphas``."""
+        longest = max(draft_lengths, default=0)
+        if longest == 0 or not self.config.adaptive:
+            return longest
+        batch = len(draft_lengths)
+        if not self.cost.measured(batch):
+            return 0  # measure the plain step at this batch size: what drafts must beat
+        best_k, best_rate = 0, batch / self.cost.estimate(batch)
+        for k in range(1, longest + 1):
+            tokens = sum(expected_tokens(min(d, k), a) for d, a in zip(draft_lengths, alphas))
+            seconds = self.cost.estimate(batch * (1 + k))
+            if tokens / seconds > best_rate:
+                best_k, best_rate = k, tokens / seconds
+        if best_k == 0:
+            self._plain_streak += 1
+            if self._plain_streak >= self.config.probe_every:
+                self._plain_streak = 0
+                return longest
+        else:
+            self._plain_streak = 0
+        return best_k
+
+    def update(self, batch: int, fed_per_row: int, seconds: float) -> None:
+        """Record one target forward of ``batch`` rows of ``fed_per_row`` tokens."""
+        self.cost.observe(batch * fed_per_row, seconds)
+
