@@ -20,6 +20,7 @@ from speclm.batch import BatchDraftConfig, BatchEngine, BatchModel, StepCostMode
 from speclm.batch.draft_policy import BatchDraftPolicy
 from speclm.bench.oracle import OracleDrafter
 from speclm.drafters import NgramDrafter
+from speclm.draft_length import DraftLengthConfig
 from speclm.errors import SpeclmError
 from speclm.sampling import SamplingParams
 
@@ -115,6 +116,17 @@ def test_abort_mid_way_leaves_others_unchanged(target):
     assert not engine.has_work
 
 
+def test_one_token_prompts_join_alone_and_with_others(target):
+    lm = backend(target)
+    reqs = [torch.tensor([7]), torch.tensor([9]), prompts(1, seed=4)[0], torch.tensor([3])]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    solo = [run(lm, p, params)[0] for p in reqs]
+    engine = BatchEngine(backend(target), max_batch=4, drafter_factory=lambda: NgramDrafter(1, 3))
+    out = drive(engine, {0: [("0", reqs[0], params), ("1", reqs[1], params)],
+                         2: [("2", reqs[2], params), ("3", reqs[3], params)]})
+    assert [out[str(i)][0] for i in range(4)] == solo
+
+
 def test_eos_and_context_end_requests(target):
     lm = backend(target)
     prompt = prompts(1, seed=2)[0]
@@ -182,6 +194,25 @@ def test_seeded_plain_sampling_in_a_batch_equals_solo(target):
     engine = BatchEngine(backend(target), max_batch=3)
     out = drive(engine, {0: [(str(i), p, sp) for i, (p, sp) in enumerate(zip(reqs, params))]})
     assert [out[str(i)][0] for i in range(len(reqs))] == solo
+
+
+def test_seeded_speculative_sampling_is_independent_of_the_batch(target):
+    """Seeded rows keep their whole draft whatever the adaptive cap: their tokens are the solo
+    engine's (same drafter, fixed K, same seed), next to greedy rows the cap does shrink."""
+    lm = backend(target)
+    reqs = prompts(6, seed=12)
+    sampled = [SamplingParams(temperature=0.8, max_tokens=30, seed=7 + i, ignore_eos=True)
+               for i in range(3)]
+    solo = [run(lm, p, sp, NgramDrafter(1, 3), DraftLengthConfig(draft_max=5), sp.make_generator())[0]
+            for p, sp in zip(reqs, sampled)]
+    engine = BatchEngine(backend(target), max_batch=6, drafter_factory=lambda: NgramDrafter(1, 3),
+                         draft_config=BatchDraftConfig(draft_max=5, adaptive=True))
+    engine.policy.cost.observe(6, 1e-3)  # make drafting look expensive: the cap goes to 0
+    engine.policy.cost.observe(36, 1.0)
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    out = drive(engine, {0: [(str(i), p, sampled[i] if i < 3 else greedy) for i, p in enumerate(reqs)]})
+    assert [out[str(i)][0] for i in range(3)] == solo
+    assert sum(out[str(i)][2].drafted_tokens for i in range(3)) > 0
 
 
 def test_batched_speculative_sampling_matches_target_distribution():

@@ -88,21 +88,28 @@ class BatchDraftPolicy:
         self.cost = StepCostModel()
         self._plain_streak = 0
 
-    def choose(self, draft_lengths: list[int], alphas: list[float]) -> int:
+    def choose(self, draft_lengths: list[int], alphas: list[float],
+               fixed: list[bool] | None = None) -> int:
         """The cap K for a step whose rows drafted ``draft_lengths`` (proposed with the full
-        ``draft_max``) and have measured acceptance ``alphas``."""
+        ``draft_max``) and have measured acceptance ``alphas``. Rows marked ``fixed`` keep their
+        whole draft whatever the cap (seeded sampling: see BatchEngine), so the step is at least
+        as wide as their longest draft."""
+        fixed = fixed or [False] * len(draft_lengths)
         longest = max(draft_lengths, default=0)
         if longest == 0 or not self.config.adaptive:
             return longest
         batch = len(draft_lengths)
-        if not self.cost.measured(batch):
-            return 0  # measure the plain step at this batch size: what drafts must beat
-        best_k, best_rate = 0, batch / self.cost.estimate(batch)
-        for k in range(1, longest + 1):
-            tokens = sum(expected_tokens(min(d, k), a) for d, a in zip(draft_lengths, alphas))
-            seconds = self.cost.estimate(batch * (1 + k))
-            if tokens / seconds > best_rate:
-                best_k, best_rate = k, tokens / seconds
+        floor = max((d for d, f in zip(draft_lengths, fixed) if f), default=0)
+        best_k, best_rate = None, 0.0
+        for k in range(longest + 1):
+            width = 1 + max(k, floor)
+            if not self.cost.measured(batch * width) and k == 0:
+                return 0  # measure the narrowest step at this batch size: what drafts must beat
+            tokens = sum(expected_tokens(d if f else min(d, k), a)
+                         for d, a, f in zip(draft_lengths, alphas, fixed))
+            rate = tokens / self.cost.estimate(batch * width)
+            if best_k is None or rate > best_rate:
+                best_k, best_rate = k, rate
         if best_k == 0:
             self._plain_streak += 1
             if self._plain_streak >= self.config.probe_every:

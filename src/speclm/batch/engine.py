@@ -5,7 +5,10 @@ Each step (see :meth:`BatchEngine.step`):
 1. aborted requests leave; waiting requests join: their prompts (all but the last token, the
    pending one) are prefilled together in one ragged forward into free cache rows;
 2. every running row drafts (its own drafter, up to ``draft_max``); the policy picks the cap K
-   for this step from measured step cost (K = 0: a plain step);
+   for this step from measured step cost (K = 0: a plain step). Seeded sampling requests keep
+   their whole draft: how many random draws a round uses depends on its draft length, so a cap
+   that depends on the rest of the batch would make a seeded request's tokens depend on its
+   neighbours. With their own drafts, they draw exactly what the solo engine draws;
 3. one target forward runs ``[pending_b, d_b1 .. d_bk_b]`` for all rows at their own positions
    (ragged rows padded to ``T = 1 + max k_b``), giving logits [B, T, V];
 4. each row is judged by the one verifier with its own params and generator, and its cache row
@@ -161,13 +164,14 @@ class BatchEngine:
         start = time.perf_counter()
         first = len(self.running)
         rows = slice(first, first + len(joining))
+        self.running += joining  # from here on, a failure (see reset) fails them too
         if longest > 0:
             fed = torch.zeros(len(joining), longest, dtype=torch.long)  # [J, T] padded prompts
             for j, seq in enumerate(joining):
                 fed[j, : seq.n - 1] = seq.tokens[: seq.n - 1]
             self.model.forward(rows, fed, num_logits=1)
-        self.model.set_lengths(torch.tensor([seq.n - 1 for seq in joining]))
-        self.running += joining
+            self.model.set_lengths(torch.tensor([seq.n - 1 for seq in joining]))
+        # (free rows hold length 0, which is right for one-token prompts)
         elapsed = time.perf_counter() - start
         for seq in joining:
             seq.stats.prefill_time_s = elapsed
@@ -189,8 +193,10 @@ class BatchEngine:
             drafts.append(draft)
         report.longest_draft = max((d.num_tokens for d in drafts), default=0)
         if self.policy is not None:
-            cap = self.policy.choose([d.num_tokens for d in drafts], [s.alpha for s in self.running])
-            drafts = [Draft(d.tokens[:cap]) for d in drafts]
+            fixed = [s.fixed_draft for s in self.running]
+            cap = self.policy.choose([d.num_tokens for d in drafts], [s.alpha for s in self.running],
+                                     fixed)
+            drafts = [d if f else Draft(d.tokens[:cap]) for d, f in zip(drafts, fixed)]
             report.draft_cap = cap
         report.draft_s = time.perf_counter() - start
         return drafts

@@ -40,6 +40,11 @@ class Sequence:
         return self.tokens[: self.n]  # [n]
 
     @property
+    def fixed_draft(self) -> bool:
+        """Seeded sampling: the draft must not depend on the batch (see BatchEngine)."""
+        return not self.params.greedy and self.params.seed is not None
+
+    @property
     def budget(self) -> int:
         """Tokens this request may still commit."""
         return min(self.params.max_tokens - self.generated, self.limit - self.n)
