@@ -54,13 +54,9 @@ def drive(engine, arrivals, aborts=None):
     return out
 
 
-def oracle_factory(lm, accept_rate):
-    """Oracle drafters replaying each prompt's greedy continuation with exact acceptance."""
-    continuations = {}
-
-    def make_for(prompt, max_tokens):
-        continuations[tuple(prompt.tolist())] = run(lm, prompt, SamplingParams(
-            max_tokens=max_tokens, ignore_eos=True))[0]
+def oracle_factory(accept_rate, continuations):
+    """Oracle drafters replaying each prompt's greedy continuation (``continuations``: prompt
+    tuple -> tokens) with each token kept with probability ``accept_rate``."""
 
     class PerPrompt(OracleDrafter):
         def reset(self, prompt_ids):
@@ -68,22 +64,29 @@ def oracle_factory(lm, accept_rate):
             super().reset(prompt_ids)
 
     seeds = iter(range(10_000))
-    return make_for, lambda: PerPrompt(accept_rate, VOCAB, seed=next(seeds))
+    return lambda: PerPrompt(accept_rate, VOCAB, seed=next(seeds))
+
+
+@pytest.fixture(scope="module")
+def workload(target):
+    """14 prompts of different lengths, each with its own max_tokens (so requests leave at
+    different steps), and their solo plain greedy outputs."""
+    lm = backend(target)
+    reqs = prompts(14, seed=5)
+    lengths = [10 + 7 * (i % 5) for i in range(len(reqs))]
+    solo = [run(lm, p, SamplingParams(max_tokens=m, ignore_eos=True))[0] for p, m in zip(reqs, lengths)]
+    return reqs, lengths, solo
 
 
 @pytest.mark.parametrize("setup", ["plain", "ngram-fixed", "ngram-adaptive", "oracle-0.5", "oracle-0.9"])
-def test_batched_greedy_equals_solo(target, setup):
-    lm = backend(target)
-    reqs = prompts(14, seed=5)
-    lengths = [10 + 7 * (i % 5) for i in range(len(reqs))]  # requests leave at different steps
-    solo = [run(lm, p, SamplingParams(max_tokens=m, ignore_eos=True))[0] for p, m in zip(reqs, lengths)]
+def test_batched_greedy_equals_solo(target, workload, setup):
+    reqs, lengths, solo = workload
     factory, config = None, BatchDraftConfig(draft_max=6, adaptive=setup == "ngram-adaptive")
     if setup.startswith("ngram"):
         factory = lambda: NgramDrafter(1, 3)  # noqa: E731
     elif setup.startswith("oracle"):
-        make_for, factory = oracle_factory(lm, float(setup.split("-")[1]))
-        for p, m in zip(reqs, lengths):
-            make_for(p, m)
+        continuations = {tuple(p.tolist()): out for p, out in zip(reqs, solo)}
+        factory = oracle_factory(float(setup.split("-")[1]), continuations)
     engine = BatchEngine(backend(target), max_batch=5, drafter_factory=factory, draft_config=config)
     # some join at once (more than max_batch: they queue), others join mid-way
     arrivals = {0: [], 3: [], 11: []}
@@ -116,15 +119,19 @@ def test_abort_mid_way_leaves_others_unchanged(target):
     assert not engine.has_work
 
 
-def test_one_token_prompts_join_alone_and_with_others(target):
+def test_prompts_of_any_length_join_together(target):
+    """One-token prompts (nothing to prefill), short ones sharing a padded prefill, and long
+    ones prefilled in their own forward, all joining at once."""
     lm = backend(target)
-    reqs = [torch.tensor([7]), torch.tensor([9]), prompts(1, seed=4)[0], torch.tensor([3])]
+    gen = torch.Generator().manual_seed(3)
+    long_ones = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (150, 90)]
+    reqs = [torch.tensor([7]), torch.tensor([9]), prompts(1, seed=4)[0], torch.tensor([3]), *long_ones]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     solo = [run(lm, p, params)[0] for p in reqs]
-    engine = BatchEngine(backend(target), max_batch=4, drafter_factory=lambda: NgramDrafter(1, 3))
+    engine = BatchEngine(backend(target), max_batch=6, drafter_factory=lambda: NgramDrafter(1, 3))
     out = drive(engine, {0: [("0", reqs[0], params), ("1", reqs[1], params)],
-                         2: [("2", reqs[2], params), ("3", reqs[3], params)]})
-    assert [out[str(i)][0] for i in range(4)] == solo
+                         2: [(str(i), reqs[i], params) for i in range(2, 6)]})
+    assert [out[str(i)][0] for i in range(6)] == solo
 
 
 def test_eos_and_context_end_requests(target):
@@ -260,8 +267,9 @@ def test_policy_shrinks_the_draft_as_verification_gets_expensive():
     steep = BatchDraftPolicy(config)  # a CPU-like cost: linear in the tokens fed
     steep.update(16, 1, 0.010)
     steep.update(16, 9, 0.090)
-    picks = [steep.choose(drafts, alphas) for _ in range(8)]
-    assert picks.count(0) == 6 and picks[3] == picks[7] == 8  # plain, with a probe every 4 steps
+    picks = [steep.choose(drafts, alphas) for _ in range(16)]
+    # plain, with short probes: the 4th step, then after 7 more plain steps (interval 8), ...
+    assert [i for i, k in enumerate(picks) if k] == [3, 11] and picks[3] == picks[11] == 2
     # a small batch on the same steep curve still pays for a few drafts at high acceptance
     steep.update(1, 1, 0.004)
     steep.update(1, 9, 0.006)

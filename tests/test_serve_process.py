@@ -19,7 +19,7 @@ pytest.importorskip("fastapi")
 from speclm.api import LLM  # noqa: E402
 from speclm.sampling import SamplingParams  # noqa: E402
 
-from .serve_util import serve_process, stop  # noqa: E402
+from speclm.serve.process import serve_process, stop  # noqa: E402
 
 KEY = "test-key"
 PROMPTS = ["the quick brown fox", "Speculative decoding drafts tokens", "def add(a, b):",

@@ -13,7 +13,7 @@ openai = pytest.importorskip("openai")
 from speclm.api import LLM  # noqa: E402
 from speclm.sampling import SamplingParams  # noqa: E402
 
-from .serve_util import serve_process, stop  # noqa: E402
+from speclm.serve.process import serve_process, stop  # noqa: E402
 
 pytestmark = pytest.mark.ray
 

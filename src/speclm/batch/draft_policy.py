@@ -14,8 +14,9 @@ the row's measured per-token acceptance (an exponential moving average). ``cost(
 online by :class:`StepCostModel` from the steps the server actually runs: seconds per forward
 as a function of the tokens fed, interpolated between measured sizes. Unmeasured larger sizes
 are extrapolated from the measured slope (optimistically flat before there are two points), so
-the policy explores upward once and then settles; when plain steps win, a full draft is still
-tried every ``probe_every`` steps so that a change in acceptance is noticed.
+the policy explores upward once and then settles. When plain steps win, a short draft (K = 2)
+is still tried after ``probe_every`` plain steps, then after twice as many, and so on (up to
+16x), so that a change in acceptance is noticed without paying for wide steps often.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ class StepCostModel:
         return secs[hi] + slope * (tokens - hi)
 
 
+_PROBE_K = 2  # draft cap of a probe step
+_MAX_PROBE_FACTOR = 16  # probes at least every probe_every * this steps
+
+
 class BatchDraftPolicy:
     """Chooses the batch's draft cap each step and learns from what each step cost."""
 
@@ -87,6 +92,7 @@ class BatchDraftPolicy:
         self.config = config
         self.cost = StepCostModel()
         self._plain_streak = 0
+        self._probe_interval = config.probe_every
 
     def choose(self, draft_lengths: list[int], alphas: list[float],
                fixed: list[bool] | None = None) -> int:
@@ -110,14 +116,17 @@ class BatchDraftPolicy:
             rate = tokens / self.cost.estimate(batch * width)
             if best_k is None or rate > best_rate:
                 best_k, best_rate = k, rate
-        if best_k == 0:
-            self._plain_streak += 1
-            if self._plain_streak >= self.config.probe_every:
-                self._plain_streak = 0
-                return longest
-        else:
-            self._plain_streak = 0
-        return best_k
+        if best_k > 0:
+            self._plain_streak, self._probe_interval = 0, self.config.probe_every
+            return best_k
+        self._plain_streak += 1
+        if self._plain_streak < self._probe_interval:
+            return 0
+        # probe: a short draft refreshes the rows' acceptance and the cost of a wider step at
+        # a fraction of a full draft's price; while plain keeps winning, probe less often
+        self._plain_streak = 0
+        self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_FACTOR * self.config.probe_every)
+        return min(longest, _PROBE_K)
 
     def update(self, batch: int, fed_per_row: int, seconds: float) -> None:
         """Record one target forward of ``batch`` rows of ``fed_per_row`` tokens."""

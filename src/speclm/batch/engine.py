@@ -150,33 +150,36 @@ class BatchEngine:
         return outputs, report
 
     def _admit(self, report: StepReport) -> None:
-        """Prefill waiting requests into free rows, together, in one ragged forward."""
+        """Prefill waiting requests into free rows (up to ``max_prefill_tokens`` prompt tokens
+        per step, at least one request). Joiners of similar length share a ragged forward."""
         joining: list[Sequence] = []
-        longest = 0
+        total = 0
         while self.waiting and len(self.running) + len(joining) < self.max_batch:
             fed = self.waiting[0].n - 1
-            if joining and (len(joining) + 1) * max(longest, fed) > self.max_prefill_tokens:
+            if joining and total + fed > self.max_prefill_tokens:
                 break
             joining.append(self.waiting.popleft())
-            longest = max(longest, fed)
+            total += fed
         if not joining:
             return
         start = time.perf_counter()
+        joining.sort(key=lambda seq: seq.n)
         first = len(self.running)
-        rows = slice(first, first + len(joining))
         self.running += joining  # from here on, a failure (see reset) fails them too
-        if longest > 0:
-            fed = torch.zeros(len(joining), longest, dtype=torch.long)  # [J, T] padded prompts
-            for j, seq in enumerate(joining):
+        for lo, hi in _prefill_groups([seq.n - 1 for seq in joining]):
+            group, longest = joining[lo:hi], joining[hi - 1].n - 1
+            if longest == 0:
+                continue  # one-token prompts: nothing to prefill (free rows hold length 0)
+            fed = torch.zeros(len(group), longest, dtype=torch.long)  # [J, T] padded prompts
+            for j, seq in enumerate(group):
                 fed[j, : seq.n - 1] = seq.tokens[: seq.n - 1]
-            self.model.forward(rows, fed, num_logits=1)
-            self.model.set_lengths(torch.tensor([seq.n - 1 for seq in joining]))
-        # (free rows hold length 0, which is right for one-token prompts)
+            self.model.forward(slice(first + lo, first + hi), fed, num_logits=1)
+            self.model.set_lengths(torch.tensor([seq.n - 1 for seq in group]))
         elapsed = time.perf_counter() - start
         for seq in joining:
             seq.stats.prefill_time_s = elapsed
         report.prefill_rows = len(joining)
-        report.prefill_tokens = sum(seq.n - 1 for seq in joining)
+        report.prefill_tokens = total
         report.prefill_s = elapsed
 
     def _draft(self, report: StepReport) -> list[Draft]:
@@ -279,3 +282,20 @@ class BatchEngine:
                 cache.release(i)
             self.running[i] = self.running[last]
             self.running.pop()
+
+
+def _prefill_groups(lengths: list[int], waste: float = 0.25, slack: int = 64) -> list[tuple[int, int]]:
+    """Split sorted prompt lengths into [lo, hi) groups that share one padded forward: a group
+    grows while its padding stays under ``waste`` of its tokens (or it is at most ``slack``
+    tokens wide), so short prompts batch together and a long one does not pad the rest."""
+    groups, lo = [], 0
+    for hi in range(1, len(lengths) + 1):
+        if hi == len(lengths):
+            groups.append((lo, hi))
+            break
+        padded = (hi + 1 - lo) * lengths[hi]
+        real = sum(lengths[lo : hi + 1])
+        if padded > slack and padded - real > waste * real:
+            groups.append((lo, hi))
+            lo = hi
+    return groups

@@ -123,6 +123,7 @@ class EngineWorker:
                 self._wake.wait(timeout=1.0)
             self._wake.clear()
             self._apply_inbox()
+            self._update_gauges()
             if self._stop or not engine.has_work:
                 continue
             try:
@@ -130,20 +131,26 @@ class EngineWorker:
             except Exception:  # a bug or a device error: fail this batch, keep serving
                 log.exception("engine step failed; failing the requests in the batch")
                 for seq in engine.reset():
-                    self._fail(seq.request_id, APIError(500, "internal error while generating; "
-                                                        "the request was cancelled",
-                                                        type="server_error", code="engine_error"))
+                    self._fail(seq.request_id, _internal_error())
                 continue
             self.metrics.record_step(report, engine.policy is not None)
+            self._update_gauges()
             for out in outputs:
-                self._deliver(out.request_id, out.step.tokens, out.step.finish_reason, out.stats)
-            self.metrics.running.set(len(engine.running))
-            self.metrics.waiting.set(len(engine.waiting))
+                try:
+                    self._deliver(out.request_id, out.step.tokens, out.step.finish_reason, out.stats)
+                except Exception:  # e.g. detokenization: fail this request only
+                    log.exception("could not deliver tokens of request %s", out.request_id)
+                    self.engine.abort(out.request_id)
+                    self._fail(out.request_id, _internal_error())
         for request_id in list(self._handles):
             self._fail(request_id, APIError(503, "the server shut down before the request "
                                             "finished", type="server_error", code="shutting_down"))
         self.metrics.running.set(0)
         self.metrics.waiting.set(0)
+
+    def _update_gauges(self) -> None:
+        self.metrics.running.set(len(self.engine.running))
+        self.metrics.waiting.set(len(self.engine.waiting))
 
     def _apply_inbox(self) -> None:
         while True:
@@ -161,11 +168,13 @@ class EngineWorker:
             if handle is None:  # aborted before it was added
                 continue
             try:
+                handle.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
                 self.engine.add(request_id, prompt_ids, params)
             except SpeclmError as exc:  # the handler checks first; this is the last line
                 self._fail(request_id, APIError(400, str(exc)))
-                continue
-            handle.detok = IncrementalDetokenizer(self.tokenizer, params.stop)
+            except Exception:
+                log.exception("could not start request %s", request_id)
+                self._fail(request_id, _internal_error())
 
     def _deliver(self, request_id: str, tokens: list[int], finish: str | None, stats: RequestStats) -> None:
         handle = self._handles.get(request_id)
@@ -194,3 +203,8 @@ class EngineWorker:
             handle.loop.call_soon_threadsafe(handle.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+def _internal_error() -> APIError:
+    return APIError(500, "internal error while generating; the request was cancelled",
+                    type="server_error", code="engine_error")

@@ -1,4 +1,9 @@
-"""Starting ``speclm serve`` as a real process on loopback for tests, and always stopping it."""
+"""Running ``speclm serve`` as a child process on loopback (tests, benchmarks), always stopped.
+
+``serve_process`` picks a free port, waits until ``/health`` answers (or the process dies, with
+its log in the error), and on exit sends SIGTERM (the server's graceful shutdown), then SIGKILL
+if it does not go in time.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +19,7 @@ from pathlib import Path
 
 import httpx
 
-import speclm
-
-SRC = Path(speclm.__file__).resolve().parents[1]
+SRC = Path(__file__).resolve().parents[2]  # the folder holding the speclm package
 
 
 def free_port() -> int:
@@ -36,12 +39,16 @@ class ServerProcess:
 
 @contextmanager
 def serve_process(args: list[str], log_dir: Path, *, ready_timeout: float = 120.0,
-                  threads: int = 1) -> Iterator[ServerProcess]:
-    """Run ``python -m speclm serve ARGS --port FREE`` until /health answers; kill it after."""
+                  threads: int | None = 1) -> Iterator[ServerProcess]:
+    """Run ``python -m speclm serve ARGS --port FREE`` until /health answers; stop it after.
+
+    ``threads`` sets OMP_NUM_THREADS (one is fastest for tiny test models on a busy machine;
+    None keeps PyTorch's default)."""
     port = free_port()
     log = log_dir / f"server-{port}.log"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": str(threads)}  # tiny models: one thread is fastest on a busy machine
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")]))}
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "speclm", "serve", "--host", "127.0.0.1",
                                  "--port", str(port), "--log-level", "warning", *args],
@@ -66,6 +73,7 @@ def serve_process(args: list[str], log_dir: Path, *, ready_timeout: float = 120.
 
 
 def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit status."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
