@@ -65,7 +65,7 @@ def test_batched_greedy_identity(llm, prompts):
     from speclm.batch import BatchEngine
     from speclm.drafters import NgramDrafter
 
-    params = SamplingParams(max_tokens=32)
+    params = SamplingParams(max_tokens=24)
     engine = BatchEngine(llm.target, max_batch=6, drafter_factory=lambda: NgramDrafter(2, 3))
     expected, outputs = {}, {}
     for p in prompts:
