@@ -139,6 +139,29 @@ def exact_sequence_distribution(model, prompt, length, params):
     return probs.flatten()
 
 
+def sampling_setup(vocab: int = 5, length: int = 3):
+    """A tiny target, temperature/top-k params for ``length`` tokens, a prompt that repeats
+    the model's own greedy continuation (so prompt lookup drafts tokens the target likes, and
+    is sometimes wrong about), and the exact distribution of the ``length`` generated tokens."""
+    target_model = tiny_model(vocab, seed=20)
+    lm = backend(target_model)
+    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=length, ignore_eos=True)
+    seed_ids = torch.tensor([1, 2])
+    greedy, _ = run(lm, seed_ids, SamplingParams(max_tokens=5, ignore_eos=True))
+    prompt = torch.cat([seed_ids, torch.tensor(greedy), seed_ids])
+    return target_model, lm, params, prompt, exact_sequence_distribution(target_model, prompt, length, params)
+
+
+def assert_matches_distribution(counts: torch.Tensor, expected: torch.Tensor) -> None:
+    """Chi-square of observed sequence counts against the exact distribution."""
+    total = counts.sum()
+    assert counts[expected == 0].sum() == 0
+    keep = expected * total >= 5  # pool rare cells, the usual chi-square validity condition
+    observed = torch.cat([counts[keep], counts[~keep].sum().view(1)])
+    wanted = torch.cat([expected[keep], expected[~keep].sum().view(1)]) * total
+    assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3
+
+
 @pytest.mark.parametrize("kind", ["draft-model", "draft-model-p_min", "ngram", "layerskip",
                                   "recycle", "suffix", "auto", "draft-model-tree"])
 def test_sampling_matches_target_distribution(kind):
@@ -146,15 +169,7 @@ def test_sampling_matches_target_distribution(kind):
     Learners (recycling, suffix, auto) keep their state from request to request: each draft is
     a function of what came before, which is all losslessness asks."""
     vocab, length, n = 5, 3, 2500
-    target_model = tiny_model(vocab, seed=20)
-    lm = backend(target_model)
-    params = SamplingParams(temperature=1.0, top_k=4, max_tokens=length, ignore_eos=True)
-    # a prompt that repeats the model's own greedy continuation, so prompt lookup drafts
-    # tokens the target likes (and is sometimes wrong about)
-    seed_ids = torch.tensor([1, 2])
-    greedy, _ = run(lm, seed_ids, SamplingParams(max_tokens=5, ignore_eos=True))
-    prompt = torch.cat([seed_ids, torch.tensor(greedy), seed_ids])
-    expected = exact_sequence_distribution(target_model, prompt, length, params)
+    target_model, lm, params, prompt, expected = sampling_setup(vocab, length)
     config = DraftLengthConfig(draft_max=2)
     if kind.startswith("draft-model"):  # a sharp, biased draft: adversarial q
         draft_model = noisy_copy(target_model, 0.1, seed=21)
@@ -186,11 +201,7 @@ def test_sampling_matches_target_distribution(kind):
         counts[(torch.tensor(seq) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
         accepted += stats.accepted_tokens
     assert accepted > n // 10  # speculation really happened
-    assert counts[expected == 0].sum() == 0
-    keep = expected * n >= 5  # pool rare cells, the usual chi-square validity condition
-    observed = torch.cat([counts[keep], counts[~keep].sum().view(1)])
-    wanted = torch.cat([expected[keep], expected[~keep].sum().view(1)]) * n
-    assert chisquare(observed.numpy(), wanted.numpy()).pvalue > 1e-3
+    assert_matches_distribution(counts, expected)
 
 
 def test_sliding_window_model_rolls_back_past_the_window():

@@ -112,3 +112,23 @@ def test_trees_learned_and_async_drafters_greedy_identity(llm, prompts, text):
         plain = llm.chat(messages, params, speculative=False)
         out = llm.chat(messages, params, speculative=spec)
         assert out.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
+
+
+def test_batched_greedy_identity(llm, prompts):
+    """The server's batched engine (prompt lookup, adaptive K) on six Spec-Bench questions at
+    once, prompts of very different lengths: each output equals its solo plain output."""
+    from speclm.batch import BatchEngine
+    from speclm.drafters import NgramDrafter
+
+    params = SamplingParams(max_tokens=24)
+    engine = BatchEngine(llm.target, max_batch=6, drafter_factory=lambda: NgramDrafter(2, 3))
+    expected, outputs = {}, {}
+    for p in prompts:
+        messages = [{"role": "user", "content": p["turns"][0]}]
+        expected[p["id"]] = llm.chat(messages, params, speculative=False).token_ids
+        engine.add(p["id"], llm.encode(messages), params)
+        outputs[p["id"]] = []
+    while engine.has_work:
+        for out in engine.step()[0]:
+            outputs[out.request_id] += out.step.tokens
+    assert outputs == expected

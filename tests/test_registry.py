@@ -32,7 +32,8 @@ def test_registry_names_and_checks():
     assert parse_drafter("ngram:min=2", {"min": 1}).options["min"] == 2  # given beats default
     for text, needle in [("ngram:min=4,max=2", "min <= max"), ("layerskip:p_min=2", "p_min"),
                          ("draft", "needs path"), ("draft:path=/no/such", "does not exist"),
-                         ("medusa", "unknown drafter")]:
+                         ("medusa", "needs path"), ("eagle:path=/no/such", "does not exist"),
+                         ("hydra", "unknown drafter")]:
         with pytest.raises(SpeclmError, match=needle):
             parse_drafter(text)
 

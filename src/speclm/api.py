@@ -225,30 +225,16 @@ class LLM:
         delivered = 0  # tokens handed to the caller
         try:
             for step in steps:
-                text, kept = self._detokenize(detok, step.tokens, bool(params.stop))
+                text, kept, finish = detok.feed(step.tokens, step.finish_reason)
                 delivered += len(kept)
-                finish = "stop" if detok.stopped else step.finish_reason
                 if finish is not None:
                     steps.close()  # finalise stats before the last chunk goes out
-                    text += detok.flush()
-                    finish = "stop" if detok.stopped else finish  # a stop string in the tail
                     stats.generated_tokens = delivered  # none past a stop string
                 yield StreamChunk(text, kept, finish, stats)
                 if finish is not None:
                     return
         finally:
             steps.close()
-
-    @staticmethod
-    def _detokenize(detok: IncrementalDetokenizer, tokens: list[int], per_token: bool):
-        if not per_token:
-            return detok.add(tokens), tokens
-        text = ""
-        for i, tok in enumerate(tokens):  # stop strings: find the token that completes one
-            text += detok.add([tok])
-            if detok.stopped:
-                return text, tokens[: i + 1]
-        return text, tokens
 
     def _collect(self, prompt: Prompt, params: SamplingParams | None, speculative: bool | Speculation) -> RequestOutput:
         text, ids, chunk = [], [], None

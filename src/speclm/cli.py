@@ -46,7 +46,8 @@ def _positive(kind: type):
     return parse
 
 
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
+def add_target_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """--model, --gguf-file, --device, --dtype (also used by ``speclm serve``)."""
     g = p.add_argument_group("model")
     g.add_argument("--model", "-m", default="default",
                    help="target: 'default' (embedded SmolLM2-135M-Instruct), an HF folder or a "
@@ -56,7 +57,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto",
                    help="float32, bfloat16, float16, float64 or auto: float32 on CPU, bfloat16 on "
                         "GPUs that support it (default: %(default)s)")
+    return g
 
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    add_target_flags(p)
     d = p.add_argument_group("speculative decoding")
     which = d.add_mutually_exclusive_group()
     which.add_argument("--ngram", action="store_true",
@@ -131,6 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
                           epilog=_DRAFTERS_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     chat.add_argument("--stats", action="store_true", help="print stats after every answer")
     _add_model_flags(chat)
+    from .serve.launch import add_arguments as add_serve_arguments
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with batched speculation",
+                           description="Serve /v1/chat/completions, /v1/completions, /v1/models, "
+                                       "/health and /metrics; see docs/serving.md.")
+    add_serve_arguments(serve)
     return parser
 
 
@@ -297,6 +308,12 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             print(last.summary(), file=sys.stderr)
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .serve.launch import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
@@ -304,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         command = {"generate": _cmd_generate, "chat": _cmd_chat, "bench": bench_command.run,
-                   "distill": distill_command.run, "train-drafter": train_command.run}[args.command]
+                   "distill": distill_command.run, "train-drafter": train_command.run,
+                   "serve": _cmd_serve}[args.command]
         return command(args)
     except SpeclmError as exc:
         print(f"speclm: error: {exc}", file=sys.stderr)

@@ -33,6 +33,29 @@ class IncrementalDetokenizer:
         self._read_tokens(final=False)
         return self._release(final=False)
 
+    def feed(self, new_ids: list[int], finish_reason: str | None) -> tuple[str, list[int], str | None]:
+        """One engine step's tokens: returns the final text, the tokens kept (none past a stop
+        string) and the finish reason ("stop" when a stop string ended the request). When the
+        request ends, whatever was held back is flushed into the text."""
+        text, kept = self.add_until_stop(new_ids)
+        finish = "stop" if self.stopped else finish_reason
+        if finish is not None:
+            text += self.flush()
+            finish = "stop" if self.stopped else finish  # a stop string in the flushed tail
+        return text, kept, finish
+
+    def add_until_stop(self, new_ids: list[int]) -> tuple[str, list[int]]:
+        """Add tokens, stopping at the one that completes a stop string; return the final text
+        and the tokens kept (those after a stop string are dropped)."""
+        if not self.stop:
+            return self.add(new_ids), new_ids
+        text = ""
+        for i, tok in enumerate(new_ids):
+            text += self.add([tok])
+            if self.stopped:
+                return text, new_ids[: i + 1]
+        return text, new_ids
+
     def _read_tokens(self, final: bool) -> None:
         """Move the unread tokens' text into ``self.text``; unless ``final``, wait while it
         ends in an incomplete multi-byte character (decoded as U+FFFD)."""

@@ -61,9 +61,8 @@ class DraftLengthPolicy:
         if self.t_plain is None:
             return 0  # measure one plain step: the cost every draft must beat
         best_k, best_rate = 0, 1.0 / self.t_plain
-        a = min(self.alpha, 0.999)
         for k in range(max(cfg.draft_min, 1), cfg.draft_max + 1):
-            rate = (1 - a ** (k + 1)) / (1 - a) / (self.t_verify + k * self.t_draft)
+            rate = expected_tokens(k, self.alpha) / (self.t_verify + k * self.t_draft)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
@@ -81,6 +80,20 @@ class DraftLengthPolicy:
         self._plain_streak = 0
         self.t_verify = target_time if self.t_verify is None else (1 - w) * self.t_verify + w * target_time
         self.t_draft = (1 - w) * self.t_draft + w * draft_time / drafted
-        # per-token acceptance: accepted successes over trials (the first rejection is a trial)
-        trials = accepted + (1 if accepted < drafted else 0)
-        self.alpha = (1 - w) * self.alpha + w * (accepted / trials)
+        self.alpha = update_acceptance(self.alpha, drafted, accepted, w)
+
+
+def expected_tokens(drafted: int, alpha: float) -> float:
+    """E[tokens committed by a round] with ``drafted`` draft tokens and i.i.d. per-token
+    acceptance ``alpha``: (1 - alpha^(K+1)) / (1 - alpha)."""
+    a = min(max(alpha, 0.0), 0.999)
+    return (1 - a ** (drafted + 1)) / (1 - a)
+
+
+def update_acceptance(alpha: float, drafted: int, accepted: int, weight: float) -> float:
+    """Move a per-token acceptance estimate towards one round's observation: accepted successes
+    over trials (the first rejection is a trial). A round that drafted nothing changes nothing."""
+    if drafted == 0:
+        return alpha
+    trials = accepted + (1 if accepted < drafted else 0)
+    return (1 - weight) * alpha + weight * accepted / trials

@@ -1,0 +1,134 @@
+"""How many tokens the batch drafts per step, chosen from measured step cost.
+
+A batched step feeds ``B`` rows of ``T = 1 + K`` tokens to the target, so its cost grows with
+the batch: on a GPU a decode step is memory-bound and extra tokens are nearly free until the
+batch is large; on a CPU the cost grows with ``B * T`` almost at once. The policy therefore picks
+the cap ``K`` (0 = a plain step) that maximises expected committed tokens per second:
+
+    tokens(K) = sum over rows b of  sum_{i=0}^{min(d_b, K)} alpha_b^i
+    rate(K)   = tokens(K) / cost(B * (1 + min(K, max_b d_b)))
+
+where ``d_b`` is row b's actual draft length (prompt lookup drafts are known before the forward
+and are a function of the context, so choosing K after seeing them is lossless) and ``alpha_b``
+the row's measured per-token acceptance (an exponential moving average). ``cost(M)`` is learned
+online by :class:`StepCostModel` from the steps the server actually runs: seconds per forward
+as a function of the tokens fed, interpolated between measured sizes. Unmeasured larger sizes
+are extrapolated from the measured slope (optimistically flat before there are two points), so
+the policy explores upward once and then settles. When plain steps win, a short draft (K = 2)
+is still tried after ``probe_every`` plain steps, then after twice as many, and so on (up to
+16x), so that a change in acceptance is noticed without paying for wide steps often.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+from ..draft_length import expected_tokens
+from ..errors import SpeclmError
+
+
+@dataclass
+class BatchDraftConfig:
+    draft_max: int = 10  # K cap: most tokens drafted per row per step
+    adaptive: bool = True  # choose K per step by measured cost (False: always draft_max)
+    probe_every: int = 16  # with K = 0 winning, try a full draft this often
+
+    def __post_init__(self) -> None:
+        if self.draft_max < 1:
+            raise SpeclmError(f"draft max must be >= 1, got {self.draft_max}")
+        if self.probe_every < 1:
+            raise SpeclmError(f"probe_every must be >= 1, got {self.probe_every}")
+
+
+class StepCostModel:
+    """Seconds per target forward as a function of the tokens it was fed (``B * T``)."""
+
+    _EMA = 0.2
+
+    def __init__(self) -> None:
+        self._sizes: list[int] = []  # sorted measured sizes
+        self._seconds: dict[int, float] = {}
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        old = self._seconds.get(tokens)
+        if old is None:
+            bisect.insort(self._sizes, tokens)
+            self._seconds[tokens] = seconds
+        else:
+            self._seconds[tokens] = (1 - self._EMA) * old + self._EMA * seconds
+
+    def measured(self, tokens: int) -> bool:
+        return tokens in self._seconds
+
+    def estimate(self, tokens: int) -> float | None:
+        """Measured, interpolated or extrapolated seconds; None before any measurement."""
+        sizes, secs = self._sizes, self._seconds
+        if not sizes:
+            return None
+        if tokens in secs:
+            return secs[tokens]
+        i = bisect.bisect_left(sizes, tokens)
+        if i == 0:
+            return secs[sizes[0]]
+        if i < len(sizes):  # between two measured sizes
+            lo, hi = sizes[i - 1], sizes[i]
+            return secs[lo] + (secs[hi] - secs[lo]) * (tokens - lo) / (hi - lo)
+        if len(sizes) == 1:
+            return secs[sizes[0]]  # optimistic: explore upward once
+        lo, hi = sizes[-2], sizes[-1]
+        slope = max(0.0, (secs[hi] - secs[lo]) / (hi - lo))
+        return secs[hi] + slope * (tokens - hi)
+
+
+_PROBE_K = 2  # draft cap of a probe step
+_MAX_PROBE_FACTOR = 16  # probes at least every probe_every * this steps
+
+
+class BatchDraftPolicy:
+    """Chooses the batch's draft cap each step and learns from what each step cost."""
+
+    def __init__(self, config: BatchDraftConfig) -> None:
+        self.config = config
+        self.cost = StepCostModel()
+        self._plain_streak = 0
+        self._probe_interval = config.probe_every
+
+    def choose(self, draft_lengths: list[int], alphas: list[float],
+               fixed: list[bool] | None = None) -> int:
+        """The cap K for a step whose rows drafted ``draft_lengths`` (proposed with the full
+        ``draft_max``) and have measured acceptance ``alphas``. Rows marked ``fixed`` keep their
+        whole draft whatever the cap (seeded sampling: see BatchEngine), so the step is at least
+        as wide as their longest draft."""
+        fixed = fixed or [False] * len(draft_lengths)
+        longest = max(draft_lengths, default=0)
+        if longest == 0 or not self.config.adaptive:
+            return longest
+        batch = len(draft_lengths)
+        floor = max((d for d, f in zip(draft_lengths, fixed) if f), default=0)
+        best_k, best_rate = None, 0.0
+        for k in range(longest + 1):
+            width = 1 + max(k, floor)
+            if not self.cost.measured(batch * width) and k == 0:
+                return 0  # measure the narrowest step at this batch size: what drafts must beat
+            tokens = sum(expected_tokens(d if f else min(d, k), a)
+                         for d, a, f in zip(draft_lengths, alphas, fixed))
+            rate = tokens / self.cost.estimate(batch * width)
+            if best_k is None or rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k > 0:
+            self._plain_streak, self._probe_interval = 0, self.config.probe_every
+            return best_k
+        self._plain_streak += 1
+        if self._plain_streak < self._probe_interval:
+            return 0
+        # probe: a short draft refreshes the rows' acceptance and the cost of a wider step at
+        # a fraction of a full draft's price; while plain keeps winning, probe less often
+        self._plain_streak = 0
+        self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_FACTOR * self.config.probe_every)
+        return min(longest, _PROBE_K)
+
+    def update(self, batch: int, fed_per_row: int, seconds: float) -> None:
+        """Record one target forward of ``batch`` rows of ``fed_per_row`` tokens."""
+        self.cost.observe(batch * fed_per_row, seconds)
+

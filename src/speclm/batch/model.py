@@ -1,0 +1,65 @@
+"""A stock transformers causal LM run over the rows of a :class:`BatchKVCache`.
+
+One forward feeds ``T`` tokens to each of ``B`` rows at the rows' own positions (explicit
+``position_ids`` [B, T] and a 4D mask), so sequences of any lengths share one target forward.
+No forked model file: the model sees an ordinary ``Cache`` and an ordinary 4D attention mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpeclmError
+from ..models.hf import HFCausalLM
+from .cache import BatchKVCache
+
+
+def _check_full_attention(config) -> None:
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if getattr(config, "sliding_window", None) or layer_types - {"full_attention"}:
+        raise SpeclmError(
+            f"batched serving supports full-attention models; {config.model_type} has "
+            f"{', '.join(sorted(layer_types - {'full_attention'})) or 'sliding-window'} layers"
+        )
+
+
+class BatchModel:
+    """The target model plus a ragged batch cache of ``max_batch`` rows."""
+
+    def __init__(self, target: HFCausalLM, max_batch: int) -> None:
+        _check_full_attention(target.model.config)
+        self.model = target.model
+        self.device = target.device
+        self.dtype = target.dtype
+        self.vocab_size = target.vocab_size
+        self.max_context = target.max_context
+        self.eos_token_ids = target.eos_token_ids
+        self.max_batch = max_batch
+        self.cache = BatchKVCache(target.model.config.num_hidden_layers, max_batch)
+
+    @torch.inference_mode()
+    def forward(self, rows: slice, token_ids: torch.Tensor, num_logits: int) -> torch.Tensor:
+        """Run ``token_ids`` [B, T] on slots ``rows``, each row continuing at its cached length.
+
+        Returns the logits of each row's last ``num_logits`` fed positions: [B, num_logits, V].
+        The rows' lengths are not advanced: the caller commits what it keeps with
+        :meth:`set_lengths` (prefill: everything fed; a speculative step: the accepted prefix).
+        """
+        num_rows, num_new = token_ids.shape
+        if rows.stop - rows.start != num_rows:
+            raise ValueError(f"{num_rows} rows of tokens for slots {rows.start}..{rows.stop - 1}")
+        positions = self.cache.plan(rows, num_new)  # [B, T]
+        mask = self.cache.attention_mask(self.dtype, self.device)  # [B, 1, T, L]
+        out = self.model(
+            input_ids=token_ids.to(self.device),
+            attention_mask=mask,
+            position_ids=positions.to(self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+        )
+        return out.logits  # [B, num_logits, V]
+
+    def set_lengths(self, lengths: torch.Tensor) -> None:
+        """Commit ``lengths`` ([B]) positions for the rows of the last forward."""
+        self.cache.commit(lengths)

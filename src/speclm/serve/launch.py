@@ -1,0 +1,165 @@
+"""``speclm serve``: flags, building the server, and running it on uvicorn (or Ray Serve)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import SpeclmError
+
+DEFAULT_NGRAM_K = 10
+
+
+@dataclass
+class ServeOptions:
+    """Everything needed to build one server (one Ray replica gets a copy)."""
+
+    model: str = "default"
+    gguf_file: str | None = None
+    device: str = "cpu"
+    dtype: str = "auto"
+    speculative: bool = True  # prompt lookup (n-gram) drafts; False: plain decoding
+    draft_max: int = DEFAULT_NGRAM_K
+    adaptive: bool = True
+    ngram_min: int = 2
+    ngram_max: int = 3
+    max_batch: int = 16
+    max_queue: int = 64
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 8 << 20
+    shutdown_grace_s: float = 30.0
+
+    def check(self) -> None:
+        """Fail on bad values before any model is loaded."""
+        from ..batch.draft_policy import BatchDraftConfig
+        from ..drafters import NgramDrafter
+
+        BatchDraftConfig(self.draft_max, self.adaptive)
+        NgramDrafter(self.ngram_min, self.ngram_max)
+        if self.max_batch < 1:
+            raise SpeclmError(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.max_queue < 0:
+            raise SpeclmError(f"--max-queue must be >= 0, got {self.max_queue}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise SpeclmError("--api-key is empty")
+
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model if self.model == "default" else Path(self.model).name
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..cli import add_target_flags
+
+    g = add_target_flags(p)
+    g.add_argument("--served-model-name", help="the model id clients send (default: 'default' "
+                                               "or the model folder's name)")
+    s = p.add_argument_group("speculative decoding")
+    which = s.add_mutually_exclusive_group()
+    which.add_argument("--ngram", action="store_true",
+                       help="draft by prompt lookup, per request (the default)")
+    which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
+    s.add_argument("--draft-max", type=int, default=DEFAULT_NGRAM_K,
+                   help="K, most tokens drafted per request per step (default: %(default)s)")
+    s.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="shrink K (down to 0, plain steps) as the batch grows, by measured step "
+                        "cost (default: on)")
+    s.add_argument("--ngram-min", type=int, default=2, help="smallest n-gram (default: 2)")
+    s.add_argument("--ngram-max", type=int, default=3, help="largest n-gram (default: 3)")
+    v = p.add_argument_group("server")
+    v.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    v.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    v.add_argument("--max-batch", type=int, default=16,
+                   help="most requests decoded together (default: %(default)s)")
+    v.add_argument("--max-queue", type=int, default=64,
+                   help="most requests waiting for a batch row; beyond it: 429 (default: %(default)s)")
+    v.add_argument("--api-key", default=os.environ.get("SPECLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every route but /health "
+                        "(default: $SPECLM_API_KEY, else none)")
+    v.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish before "
+                        "cancelling them (default: %(default)s)")
+    v.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    r = p.add_argument_group("Ray Serve (scale-out)")
+    r.add_argument("--ray", action="store_true", help="run as Ray Serve replicas instead")
+    r.add_argument("--replicas", type=int, default=1, help="replicas with --ray (default: 1)")
+    r.add_argument("--ray-address", default=None,
+                   help="Ray cluster to join (default: $RAY_ADDRESS, else a local one)")
+    r.add_argument("--num-cpus-per-replica", type=float, default=1.0,
+                   help="CPUs Ray reserves per replica (default: %(default)s)")
+    r.add_argument("--num-gpus-per-replica", type=float, default=0.0,
+                   help="GPUs Ray reserves per replica (default: %(default)s)")
+
+
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    opts = ServeOptions(
+        model=args.model, gguf_file=args.gguf_file, device=args.device, dtype=args.dtype,
+        speculative=not args.no_spec, draft_max=args.draft_max, adaptive=args.adaptive,
+        ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_batch=args.max_batch,
+        max_queue=args.max_queue, api_key=args.api_key, served_model_name=args.served_model_name,
+        shutdown_grace_s=args.shutdown_timeout,
+    )
+    opts.check()
+    if not 0 < args.port < 65536:
+        raise SpeclmError(f"--port must be in 1..65535, got {args.port}")
+    if args.replicas < 1:
+        raise SpeclmError(f"--replicas must be >= 1, got {args.replicas}")
+    return opts
+
+
+def build_app(opts: ServeOptions):
+    """Load the model and build the FastAPI app (the worker starts with the app's lifespan)."""
+    from ..api import LLM
+    from ..batch import BatchDraftConfig, BatchEngine
+    from ..drafters import NgramDrafter
+    from .app import ServerConfig, ServerState, create_app
+    from .metrics import ServerMetrics
+    from .worker import EngineWorker
+
+    llm = LLM(opts.model, None, device=opts.device, dtype=opts.dtype, gguf_file=opts.gguf_file)
+    factory, name = None, "none"
+    if opts.speculative:  # one drafter per request: each keeps its own state
+        factory = functools.partial(NgramDrafter, opts.ngram_min, opts.ngram_max)
+        name = f"ngram[{opts.ngram_min}..{opts.ngram_max}]"
+    engine = BatchEngine(llm.target, max_batch=opts.max_batch, drafter_factory=factory,
+                         draft_config=BatchDraftConfig(opts.draft_max, opts.adaptive),
+                         drafter_name=name)
+    metrics = ServerMetrics()
+    worker = EngineWorker(engine, llm.tokenizer, metrics, max_queue=opts.max_queue)
+    config = ServerConfig(opts.model_name(), opts.api_key, opts.max_body_bytes, opts.shutdown_grace_s)
+    return create_app(ServerState(llm, worker, metrics, config))
+
+
+def _check_installed(modules: list[str], extra: str) -> None:
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SpeclmError(f"speclm serve needs {', '.join(missing)}: pip install 'speclm[{extra}]'")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of ``speclm serve``."""
+    _check_installed(["fastapi", "uvicorn", "prometheus_client"], "serve")
+    if args.ray:
+        _check_installed(["ray"], "ray")
+    opts = options_from_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="speclm: %(levelname)s %(message)s")
+    if args.ray:
+        from .ray_app import run_ray
+
+        return run_ray(opts, args)
+    import uvicorn
+
+    app = build_app(opts)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=opts.shutdown_grace_s, access_log=False)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,252 @@
+"""The OpenAI wire format: request validation, response bodies and error bodies.
+
+Requests are validated strictly (a string where a number belongs is an error, not a guess) and
+every user mistake becomes an OpenAI-style error body with a 4xx status. Parameters speclm does
+not implement are rejected when set to anything but their no-op value, rather than ignored;
+fields speclm does not know are ignored, as OpenAI clients send new ones over time.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ..sampling import SamplingParams
+from ..stats import RequestStats
+
+MAX_STOP_STRINGS = 4
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type = status, message, type
+        self.param, self.code, self.headers = param, code, headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: OpenAI's default, 1
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stop: Union[str, list[str], None] = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # extensions (as in vLLM): top-k filtering, and generating past EOS (for benchmarks)
+    top_k: int = Field(0, ge=0)
+    ignore_eos: bool = False
+
+    @field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias")
+    @classmethod
+    def _no_op_only(cls, value, info):
+        if value not in (None, 0, 0.0, {}) and not (info.field_name == "n" and value == 1):
+            allowed = "1" if info.field_name == "n" else "0 or absent"
+            raise ValueError(f"only {allowed} is supported")
+        return value
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value):
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        return stops
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        temperature = 1.0 if self.temperature is None else self.temperature
+        top_p = 1.0 if self.top_p is None else self.top_p
+        return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=top_p,
+                              max_tokens=max_tokens, stop=list(self.stop or []), seed=self.seed,
+                              ignore_eos=self.ignore_eos)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    prompt: Union[str, list[str], list[int]]
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @field_validator("echo", "logprobs", "best_of", "suffix")
+    @classmethod
+    def _unsupported(cls, value, info):
+        if value not in (None, False, "") and not (info.field_name == "best_of" and value == 1):
+            raise ValueError("not supported")
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        if isinstance(value, list) and value and isinstance(value[0], str):
+            if len(value) != 1:
+                raise ValueError("one prompt per request (batch them as separate requests)")
+            value = value[0]
+        if not value:
+            raise ValueError("the prompt is empty")
+        return value
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: str
+    text: str | None = None
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value):
+        if value != "text":
+            raise ValueError(f"content parts of type {value!r} are not supported (text only)")
+        return value
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[ContentPart], None] = Field(None, union_mode="left_to_right")
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("logprobs", "top_logprobs", "tools")
+    @classmethod
+    def _unsupported(cls, value):
+        if value not in (None, False, 0, []):
+            raise ValueError("not supported")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value is not None and value.get("type") != "text":
+            raise ValueError("only response_format {'type': 'text'} is supported")
+        return value
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        # "developer" is OpenAI's newer name for the system role
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_request(raw: bytes, kind: type[_Request]) -> _Request:
+    """Bytes of a request body -> a validated request, or an :class:`APIError` (400)."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as exc:
+        # our own checks say more than a union's "not a string" for the branch that lost
+        first = min(exc.errors(), key=lambda e: e["type"] != "value_error")
+        param = ".".join(str(p) for p in first["loc"] if not _is_union_branch(p)) or None
+        message = first["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {message}" if param else message, param=param) from None
+
+
+def _is_union_branch(part: object) -> bool:
+    """pydantic names the union member in an error's location ("str", "list[int]")."""
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool") or "[" in part)
+
+
+# -- responses --------------------------------------------------------------------------------
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(stats: RequestStats) -> dict:
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens}
+
+
+def speculation(stats: RequestStats) -> dict:
+    """The per-response extension field: what speculation did for this request."""
+    return {"drafter": stats.drafter, "drafted_tokens": stats.drafted_tokens,
+            "accepted_tokens": stats.accepted_tokens, "target_forwards": stats.target_forwards,
+            "alpha": round(stats.alpha, 4), "tau": round(stats.tau, 4),
+            "acceptance_by_position": [round(r, 4) for r in stats.acceptance_by_position]}
+
+
+def completion_body(kind: str, rid: str, model: str, text: str, finish: str, stats: RequestStats) -> dict:
+    created = int(time.time())
+    if kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "finish_reason": finish, "logprobs": None}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice],
+            "usage": usage(stats), "speclm": speculation(stats)}
+
+
+def chunk_body(kind: str, rid: str, model: str, text: str | None, finish: str | None,
+               *, first: bool = False) -> dict:
+    """One streamed event; ``text=None`` sends an empty delta (the finishing chunk)."""
+    created = int(time.time())
+    if kind == "chat":
+        delta: dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def sse(data: dict | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"))
+    return f"data: {payload}\n\n".encode()

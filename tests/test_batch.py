@@ -1,0 +1,287 @@
+"""The batched engine: each request's output is what it would be alone.
+
+- greedy: batched output == the solo engine's plain greedy output token for token, on tiny
+  float64 models, for prompts of different lengths, ragged acceptance (prompt lookup, and an
+  oracle drafter with exact mixed acceptance), requests joining mid-way and leaving early;
+- the ragged cache: batched logits after random per-row rollbacks == recomputation from scratch;
+- sampling: a seeded plain request in a batch draws exactly its solo tokens, and speculative
+  sampling in a batch matches the target's exact sequence distribution (chi-square);
+- the draft-length policy shrinks K to 0 when verification cost grows with the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from speclm.batch import BatchDraftConfig, BatchEngine, BatchModel, StepCostModel
+from speclm.batch.draft_policy import BatchDraftPolicy
+from speclm.bench.oracle import OracleDrafter
+from speclm.drafters import NgramDrafter
+from speclm.draft_length import DraftLengthConfig
+from speclm.errors import SpeclmError
+from speclm.sampling import SamplingParams
+
+from .conftest import backend, tiny_model
+from .test_lossless import assert_matches_distribution, prompts, run, sampling_setup
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(VOCAB, seed=10)
+
+
+def drive(engine, arrivals, aborts=None):
+    """Run the engine; ``arrivals`` maps step -> [(id, prompt, params)], ``aborts`` step -> [id].
+    Returns id -> (tokens, finish_reason, stats)."""
+    out, step, aborts = {}, 0, aborts or {}
+    while engine.has_work or any(s >= step for s in arrivals):
+        for rid, prompt, params in arrivals.get(step, []):
+            engine.add(rid, prompt, params)
+            out[rid] = [[], None, None]
+        for rid in aborts.get(step, []):
+            engine.abort(rid)
+        outputs, _ = engine.step()
+        for o in outputs:
+            out[o.request_id][0] += o.step.tokens
+            out[o.request_id][1:] = [o.step.finish_reason, o.stats]
+        step += 1
+        assert step < 10_000
+    return out
+
+
+def oracle_factory(accept_rate, continuations):
+    """Oracle drafters replaying each prompt's greedy continuation (``continuations``: prompt
+    tuple -> tokens) with each token kept with probability ``accept_rate``."""
+
+    class PerPrompt(OracleDrafter):
+        def reset(self, prompt_ids):
+            self.set_continuation(len(prompt_ids), continuations[tuple(prompt_ids.tolist())])
+            super().reset(prompt_ids)
+
+    seeds = iter(range(10_000))
+    return lambda: PerPrompt(accept_rate, VOCAB, seed=next(seeds))
+
+
+@pytest.fixture(scope="module")
+def workload(target):
+    """14 prompts of different lengths, each with its own max_tokens (so requests leave at
+    different steps), and their solo plain greedy outputs."""
+    lm = backend(target)
+    reqs = prompts(14, seed=5)
+    lengths = [10 + 7 * (i % 5) for i in range(len(reqs))]
+    solo = [run(lm, p, SamplingParams(max_tokens=m, ignore_eos=True))[0] for p, m in zip(reqs, lengths)]
+    return reqs, lengths, solo
+
+
+@pytest.mark.parametrize("setup", ["plain", "ngram-fixed", "ngram-adaptive", "oracle-0.5", "oracle-0.9"])
+def test_batched_greedy_equals_solo(target, workload, setup):
+    reqs, lengths, solo = workload
+    factory, config = None, BatchDraftConfig(draft_max=6, adaptive=setup == "ngram-adaptive")
+    if setup.startswith("ngram"):
+        factory = lambda: NgramDrafter(1, 3)  # noqa: E731
+    elif setup.startswith("oracle"):
+        continuations = {tuple(p.tolist()): out for p, out in zip(reqs, solo)}
+        factory = oracle_factory(float(setup.split("-")[1]), continuations)
+    engine = BatchEngine(backend(target), max_batch=5, drafter_factory=factory, draft_config=config)
+    # some join at once (more than max_batch: they queue), others join mid-way
+    arrivals = {0: [], 3: [], 11: []}
+    for i, (p, m) in enumerate(zip(reqs, lengths)):
+        arrivals[(0, 3, 11)[i % 3]].append((str(i), p, SamplingParams(max_tokens=m, ignore_eos=True)))
+    out = drive(engine, arrivals)
+    accepted = 0
+    for i in range(len(reqs)):
+        tokens, finish, stats = out[str(i)]
+        assert tokens == solo[i], f"request {i} diverged from its solo output"
+        assert finish == "length" and stats.generated_tokens == lengths[i]
+        accepted += stats.accepted_tokens
+    if setup != "plain":
+        assert accepted > 0  # drafts were accepted, so rows rolled back by different amounts
+    assert engine.model.cache.lengths.sum() == 0 and not engine.running
+
+
+def test_abort_mid_way_leaves_others_unchanged(target):
+    lm = backend(target)
+    reqs = prompts(6, seed=8)
+    solo = [run(lm, p, SamplingParams(max_tokens=30, ignore_eos=True))[0] for p in reqs]
+    engine = BatchEngine(backend(target), max_batch=4, drafter_factory=lambda: NgramDrafter(1, 3),
+                         draft_config=BatchDraftConfig(draft_max=4, adaptive=False))
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    out = drive(engine, {0: [(str(i), p, params) for i, p in enumerate(reqs)]},
+                aborts={2: ["1"], 5: ["4"]})
+    for i in (0, 2, 3, 5):
+        assert out[str(i)][0] == solo[i]
+    assert out["1"][1] is None and len(out["1"][0]) < 30  # cut short, never finished
+    assert not engine.has_work
+
+
+def test_prompts_of_any_length_join_together(target):
+    """One-token prompts (nothing to prefill), short ones sharing a padded prefill, and long
+    ones prefilled in their own forward, all joining at once."""
+    lm = backend(target)
+    gen = torch.Generator().manual_seed(3)
+    long_ones = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (150, 90)]
+    reqs = [torch.tensor([7]), torch.tensor([9]), prompts(1, seed=4)[0], torch.tensor([3]), *long_ones]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    solo = [run(lm, p, params)[0] for p in reqs]
+    engine = BatchEngine(backend(target), max_batch=6, drafter_factory=lambda: NgramDrafter(1, 3))
+    out = drive(engine, {0: [("0", reqs[0], params), ("1", reqs[1], params)],
+                         2: [(str(i), reqs[i], params) for i in range(2, 6)]})
+    assert [out[str(i)][0] for i in range(6)] == solo
+
+
+def test_eos_and_context_end_requests(target):
+    lm = backend(target)
+    prompt = prompts(1, seed=2)[0]
+    free = run(lm, prompt, SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    eos = free[5]  # pretend the sixth generated token is EOS
+    lm.eos_token_ids = frozenset({eos})
+    short = backend(tiny_model(VOCAB, seed=10, max_positions=len(prompt) + 8))
+    short.eos_token_ids = frozenset({eos})
+    engine = BatchEngine(lm, max_batch=2, drafter_factory=lambda: NgramDrafter(1, 3))
+    out = drive(engine, {0: [("eos", prompt, SamplingParams(max_tokens=20))]})
+    assert out["eos"][0] == free[: free.index(eos) + 1] and out["eos"][1] == "stop"
+    engine = BatchEngine(short, max_batch=2)
+    out = drive(engine, {0: [("ctx", prompt, SamplingParams(max_tokens=50, ignore_eos=True))]})
+    assert len(out["ctx"][0]) == 8 and out["ctx"][1] == "length"
+    with pytest.raises(SpeclmError, match="context"):
+        engine.add("long", torch.arange(1, 60), SamplingParams())
+    with pytest.raises(SpeclmError, match="empty"):
+        engine.add("empty", [], SamplingParams())
+
+
+def test_ragged_cache_matches_recomputation(target):
+    """Random per-row appends and rollbacks; every logit equals a from-scratch forward."""
+    lm = backend(target)
+    model = BatchModel(backend(target), max_batch=3)
+    gen = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (3, 9, 5)]
+    model.forward(slice(0, 3), torch.stack([torch.nn.functional.pad(s, (0, 9 - len(s))) for s in seqs]), 1)
+    model.set_lengths(torch.tensor([len(s) for s in seqs]))
+    for _ in range(12):
+        width = int(torch.randint(1, 6, (1,), generator=gen))
+        fed = torch.randint(1, VOCAB, (3, width), generator=gen)
+        logits = model.forward(slice(0, 3), fed, width)
+        keep = []
+        for b in range(3):
+            full = torch.cat([seqs[b], fed[b]])
+            lm.reset()
+            expected = lm.forward(full, 0, num_logits=width).logits
+            assert torch.allclose(logits[b], expected, atol=1e-10, rtol=0)
+            kept = int(torch.randint(0, width + 1, (1,), generator=gen))  # ragged rollback
+            seqs[b] = full[: len(seqs[b]) + kept]
+            keep.append(len(seqs[b]))
+        model.set_lengths(torch.tensor(keep))
+
+
+def test_rows_move_when_requests_leave(target):
+    """Compaction copies a row into a freed slot; its later logits are unchanged."""
+    lm = backend(target)
+    model = BatchModel(backend(target), max_batch=2)
+    a, b = torch.arange(1, 8), torch.arange(20, 24)
+    model.forward(slice(0, 2), torch.stack([a, torch.nn.functional.pad(b, (0, 3))]), 1)
+    model.set_lengths(torch.tensor([7, 4]))
+    model.cache.move(1, 0)
+    logits = model.forward(slice(0, 1), torch.tensor([[30, 31]]), 2)
+    lm.reset()
+    assert torch.allclose(logits[0], lm.forward(torch.cat([b, torch.tensor([30, 31])]), 0, 2).logits,
+                          atol=1e-10, rtol=0)
+
+
+def test_seeded_plain_sampling_in_a_batch_equals_solo(target):
+    lm = backend(target)
+    reqs = prompts(5, seed=11)
+    params = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=25, seed=100 + i, ignore_eos=True)
+              for i in range(len(reqs))]
+    solo = [run(lm, p, sp, gen=sp.make_generator())[0] for p, sp in zip(reqs, params)]
+    engine = BatchEngine(backend(target), max_batch=3)
+    out = drive(engine, {0: [(str(i), p, sp) for i, (p, sp) in enumerate(zip(reqs, params))]})
+    assert [out[str(i)][0] for i in range(len(reqs))] == solo
+
+
+def test_seeded_speculative_sampling_is_independent_of_the_batch(target):
+    """Seeded rows keep their whole draft whatever the adaptive cap: their tokens are the solo
+    engine's (same drafter, fixed K, same seed), next to greedy rows the cap does shrink."""
+    lm = backend(target)
+    reqs = prompts(6, seed=12)
+    sampled = [SamplingParams(temperature=0.8, max_tokens=30, seed=7 + i, ignore_eos=True)
+               for i in range(3)]
+    solo = [run(lm, p, sp, NgramDrafter(1, 3), DraftLengthConfig(draft_max=5), sp.make_generator())[0]
+            for p, sp in zip(reqs, sampled)]
+    engine = BatchEngine(backend(target), max_batch=6, drafter_factory=lambda: NgramDrafter(1, 3),
+                         draft_config=BatchDraftConfig(draft_max=5, adaptive=True))
+    engine.policy.cost.observe(6, 1e-3)  # make drafting look expensive: the cap goes to 0
+    engine.policy.cost.observe(36, 1.0)
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    out = drive(engine, {0: [(str(i), p, sampled[i] if i < 3 else greedy) for i, p in enumerate(reqs)]})
+    assert [out[str(i)][0] for i in range(3)] == solo
+    assert sum(out[str(i)][2].drafted_tokens for i in range(3)) > 0
+
+
+def test_batched_speculative_sampling_matches_target_distribution():
+    """Three tokens per request, K = 2, prompt lookup; 32 rows per batch with different seeds."""
+    vocab, length, n = 5, 3, 1500
+    _, lm, params, prompt, expected = sampling_setup(vocab, length)
+    engine = BatchEngine(lm, max_batch=32, drafter_factory=lambda: NgramDrafter(1, 2),
+                         draft_config=BatchDraftConfig(draft_max=2, adaptive=False))
+    # a second, longer prompt shares the batch so that rows are ragged
+    other = torch.cat([prompt, prompt])
+    arrivals = {0: [(f"r{i}", prompt if i % 4 else other, replace(params, seed=i))
+                    for i in range(n * 4 // 3)]}
+    out = drive(engine, arrivals)
+    counts = torch.zeros(vocab**length, dtype=torch.float64)
+    accepted = 0
+    for i in range(n * 4 // 3):
+        tokens, _, stats = out[f"r{i}"]
+        if i % 4:
+            counts[(torch.tensor(tokens) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
+            accepted += stats.accepted_tokens
+    assert accepted > counts.sum() // 10
+    assert_matches_distribution(counts, expected)
+
+
+def test_step_cost_model_interpolates_and_extrapolates():
+    cost = StepCostModel()
+    assert cost.estimate(4) is None
+    cost.observe(4, 0.01)
+    assert cost.estimate(40) == 0.01  # one point: optimistic, so larger sizes get explored
+    cost.observe(44, 0.05)
+    assert cost.estimate(24) == pytest.approx(0.03)
+    assert cost.estimate(84) == pytest.approx(0.09)
+    assert cost.estimate(2) == 0.01
+
+
+def test_policy_shrinks_the_draft_as_verification_gets_expensive():
+    config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4)
+    drafts, alphas = [8] * 16, [0.5] * 16
+    cheap = BatchDraftPolicy(config)  # a GPU-like cost: flat in the tokens fed
+    assert cheap.choose(drafts, alphas) == 0  # first, measure the plain step
+    cheap.update(16, 1, 0.010)
+    assert cheap.choose(drafts, alphas) == 8  # unmeasured sizes look free: explore
+    cheap.update(16, 9, 0.011)
+    assert cheap.choose(drafts, alphas) >= 4  # verification nearly free: keep drafting
+    steep = BatchDraftPolicy(config)  # a CPU-like cost: linear in the tokens fed
+    steep.update(16, 1, 0.010)
+    steep.update(16, 9, 0.090)
+    picks = [steep.choose(drafts, alphas) for _ in range(16)]
+    # plain, with short probes: the 4th step, then after 7 more plain steps (interval 8), ...
+    assert [i for i, k in enumerate(picks) if k] == [3, 11] and picks[3] == picks[11] == 2
+    # a small batch on the same steep curve still pays for a few drafts at high acceptance
+    steep.update(1, 1, 0.004)
+    steep.update(1, 9, 0.006)
+    assert steep.choose([8], [0.9]) > 0
+    fixed = BatchDraftPolicy(BatchDraftConfig(draft_max=8, adaptive=False))
+    assert fixed.choose([3, 5], [0.1, 0.1]) == 5
+
+
+def test_sliding_window_models_are_refused():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    with pytest.raises(SpeclmError, match="full-attention"):
+        BatchModel(backend(MistralForCausalLM(config).eval()), max_batch=2)
