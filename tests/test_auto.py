@@ -134,7 +134,7 @@ def test_bad_auto_settings(model_dirs):
         AutoDrafter({"none": (NoDrafter(), 1)}, probe_rounds=1)
     llm = LLM(str(model_dirs["target"]), dtype="float64")
     for spec, needle in [("auto:candidates=auto", "cannot be a candidate"),
-                         ("auto:candidates=ngram,medusa", "unknown drafter"),
+                         ("auto:candidates=ngram,hydra", "unknown drafter"),
                          ("auto:probe=1", "probe >= 2")]:
         with pytest.raises(SpeclmError, match=needle):
             llm.make_speculation(spec)
