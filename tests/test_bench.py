@@ -26,7 +26,7 @@ def test_method_specs():
 
 
 @pytest.mark.parametrize("text,needle", [
-    ("medusa", "unknown method"), ("ngram:k", "malformed"), ("ngram:q=3", "malformed"),
+    ("hydra", "unknown method"), ("ngram:k", "malformed"), ("ngram:q=3", "malformed"),
     ("ngram:k=x", "must be a int"), ("draft", "needs path"), ("oracle:a=1.5", "a must be"),
     ("ngram:k=0", "k must be"), ("ngram:min=3,max=2", "min <= max"),
 ])
@@ -81,7 +81,7 @@ def test_bench_end_to_end_writes_outputs(capsys, model_dirs, tmp_path):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--prompts", "/nonexistent.jsonl"], "cannot read prompts"),
-    (["--method", "eagle"], "unknown method"),
+    (["--method", "hydra"], "unknown method"),
     (["--categories", "poetry"], "no prompts in category poetry"),
     (["--method", "oracle:a=0.5", "--temperature", "0.7"], "greedy"),
 ])
