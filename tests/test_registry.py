@@ -91,3 +91,11 @@ def test_bench_runs_the_new_drafters(capsys, model_dirs, tmp_path):
     assert "Drafters' own reports" in out and "auto:candidates=none,ngram,recycle,probe=2: choice at the end" in out
     rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
     assert all(r["identical"] for r in rows)
+
+
+def test_a_bare_first_option_is_the_path(tmp_path):
+    assert parse_drafter(f"eagle:{tmp_path}").options["path"] == str(tmp_path)
+    assert parse_drafter(f"draft:{tmp_path},p_min=0.2").options == {
+        **parse_drafter(f"draft:path={tmp_path}").options, "p_min": 0.2}
+    with pytest.raises(SpeclmError, match="malformed"):
+        parse_drafter("ngram:3")  # no path option: still an error

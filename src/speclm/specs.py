@@ -2,7 +2,8 @@
 ``speclm bench`` methods share this one parser, so both accept and reject exactly the same text.
 
 A schema maps each option to ``(parser, default)``; a default of :data:`REQUIRED` makes the
-option mandatory, ``None`` means "absent" (the drafter then decides, e.g. searches). List-valued
+option mandatory, ``None`` means "absent" (the drafter then decides, e.g. searches). A first item
+without ``=`` is the path where the schema has one (``eagle:DIR`` = ``eagle:path=DIR``). List-valued
 options take comma-separated items and ranges: in ``layerskip:skip=3,5,9-11,k=4`` the items ``5``
 and ``9-11`` have no ``=`` and so continue ``skip``; ``k=4`` starts the next option.
 """
@@ -69,10 +70,13 @@ def parse_options(text: str, schemas: dict[str, Schema], what: str = "method") -
     schema = schemas[name]
     raw: dict[str, str] = {}
     last: str | None = None
-    for item in filter(None, rest.split(",")):
+    for position, item in enumerate(filter(None, rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq and last is not None and getattr(schema[last][0], "is_list", False):
             raw[last] += "," + item  # another item of a list-valued option
+            continue
+        if not eq and position == 0 and "path" in schema:  # eagle:DIR is eagle:path=DIR
+            raw["path"], last = item, "path"
             continue
         if not eq or key not in schema:
             known = ", ".join(schema) or "none"
