@@ -67,8 +67,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
     d.add_argument("--draft-max", type=_positive(int), default=None,
                    help="K, most tokens drafted per round (default: the drafter's own: 10 for "
-                        "--ngram, suffix and auto, whose drafts cost little; 6 for recycle; 5 for "
-                        "a draft model; 3 for layerskip and early-exit)")
+                        "--ngram, suffix and auto, whose drafts cost little; 5 for a draft model; "
+                        "3 for layerskip and early-exit; 2 for recycle)")
     d.add_argument("--draft-min", type=_positive(int), default=0,
                    help="drop drafts shorter than this (default: %(default)s)")
     d.add_argument("--draft-p-min", type=_positive(float), default=0.0,
@@ -167,9 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--max-steps", type=_positive(int), default=0, help="step bound (default: none)")
     dist.add_argument("--max-new-tokens", type=_positive(int), default=128,
                       help="length of each target answer (default: %(default)s)")
-    dist.add_argument("--batch-tokens", type=_positive(int), default=1024,
+    dist.add_argument("--batch-tokens", type=_positive(int), default=512,
                       help="tokens per training step (default: %(default)s)")
-    dist.add_argument("--lr", type=_positive(float), default=3e-4, help="peak learning rate (default: %(default)s)")
+    dist.add_argument("--lr", type=_positive(float), default=1e-3, help="peak learning rate (default: %(default)s)")
     dist.add_argument("--loss", choices=["kl", "ce"], default="kl",
                       help="kl: match the target's top-32 distributions; ce: its answer tokens (default: kl)")
     dist.add_argument("--train-embeddings", action="store_true",

@@ -7,7 +7,9 @@ One round:
 2. the target runs [pending, d_1 .. d_k] at positions n-1 .. n-1+k in one forward, giving
    logits [k+1, V] where row i predicts the position of d_{i+1} (row k: the bonus position);
 3. the verifier accepts a prefix d_1 .. d_a and draws one more token (recovered or bonus);
-4. both caches roll back to the accepted prefix and the a+1 tokens are committed.
+4. both caches roll back to the accepted prefix and the a+1 tokens are committed; a drafter that
+   asks for it (``wants_target_topk``, drafters/base.py) is also handed the target's top-k ids
+   at every verified position, taken on the device before the sync.
 
 Plain decoding is the same loop with no drafter, so the baseline shares the sampler, the cache
 and the timing code with every speculative method. The loop makes one host sync per round.
