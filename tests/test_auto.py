@@ -141,3 +141,17 @@ def test_bad_auto_settings(model_dirs):
     spec = llm.make_speculation("auto:candidates=none,ngram,suffix,recycle,probe=3")
     assert list(spec.drafter.candidates) == ["none", "ngram", "suffix", "recycle"]
     assert spec.drafter.wants_target_topk == 8 and spec.draft_length.draft_max == 10
+
+
+def test_a_clear_loser_sits_out_more_and_more_reprobes(clock):
+    fakes = {"good": Fake(clock, 1.0, 2), "bad": Fake(clock, 4.0, 0)}
+    auto = AutoDrafter({n: (d, 4) for n, d in fakes.items()}, probe_rounds=2, reprobe_every=4)
+    auto.reset(torch.tensor([1]))
+    played = []
+    for _ in range(60):
+        play(auto, fakes, 1)
+        played.append(auto._active)
+    probes = [d for d in auto.report()["decisions"] if d["action"] == "probe"]
+    bad_probes = sum(1 for a, b in zip(played, played[1:]) if a == "good" and b == "bad")
+    assert auto.choice == "good" and len(probes) >= 6
+    assert bad_probes <= 3  # probed after re-probes 2 and 5 (sitting out 1, then 2), not each time

@@ -64,7 +64,7 @@ def test_distill_trains_and_saves_a_folder_both_libraries_load(model_dirs, tiny_
         llm.generate("héllo wörld", params, speculative=False)[0].token_ids
 
 
-def test_distilled_is_found_in_the_cache(model_dirs, tmp_path, monkeypatch):
+def test_distilled_is_found_in_the_cache(capsys, model_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECLM_CACHE_DIR", str(tmp_path))
     target_dir = model_dirs["target"]
     llm = LLM(str(target_dir), dtype="float64")
@@ -77,6 +77,10 @@ def test_distilled_is_found_in_the_cache(model_dirs, tmp_path, monkeypatch):
     assert folder.is_relative_to(tmp_path) and find_distilled(target_dir) == folder
     spec = llm.make_speculation("distilled")
     assert spec.name == "distilled" and spec.drafter.model.num_layers == 1
+    capsys.readouterr()
+    assert main(["distill", "--target", str(target_dir), "--layers", "1", "--max-steps", "1",
+                 "--num-prompts", "4", "--max-new-tokens", "4", "--lr", "1e-4"]) == 0
+    assert "reusing the target's answers" in capsys.readouterr().err  # the data is cached
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -53,7 +53,7 @@ def llm(model_dirs):
 
 
 @pytest.mark.parametrize("text,label,k", [
-    ("ngram", "ngram[2..3]", 10), ("suffix:factor=2", "suffix:factor=2", 10), ("recycle", "recycle", 6),
+    ("ngram", "ngram[2..3]", 10), ("suffix:factor=2", "suffix:factor=2", 10), ("recycle", "recycle", 2),
     ("layerskip:skip=1", "layerskip:skip=1", 3), ("early-exit:layers=1", "early-exit:layers=1", 3),
 ])
 def test_api_builds_each_drafter_and_stays_lossless(llm, text, label, k):

@@ -76,8 +76,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
     d.add_argument("--draft-max", type=_positive(int), default=None,
                    help="K, most tokens drafted per round (default: the drafter's own: 10 for "
-                        "--ngram, suffix and auto, whose drafts cost little; 6 for recycle; 5 for "
-                        "a draft model; 3 for layerskip and early-exit)")
+                        "--ngram, suffix and auto, whose drafts cost little; 5 for a draft model; "
+                        "3 for layerskip and early-exit; 2 for recycle)")
     d.add_argument("--draft-min", type=_positive(int), default=0,
                    help="drop drafts shorter than this (default: %(default)s)")
     d.add_argument("--draft-p-min", type=_positive(float), default=0.0,

@@ -10,7 +10,9 @@ One round:
    draft position and row i + 1 the children of d_{i+1} (or the bonus position);
 3. the verifier accepts a path d_1 .. d_a and draws one more token (recovered or bonus);
 4. the target's cache keeps the accepted path (a crop for a chain), the drafter is told the
-   verdict, and the a+1 tokens are committed.
+   verdict, and the a+1 tokens are committed; a drafter that asks for it
+   (``wants_target_topk``, drafters/base.py) is also handed the target's top-k ids at every
+   verified position, taken on the device before the sync.
 
 Plain decoding is the same loop with no drafter, so the baseline shares the sampler, the cache
 and the timing code with every speculative method. The loop makes one host sync per round.

@@ -29,9 +29,9 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
     dist.add_argument("--max-steps", type=number(int), default=0, help="step bound (default: none)")
     dist.add_argument("--max-new-tokens", type=number(int), default=128,
                       help="length of each target answer (default: %(default)s)")
-    dist.add_argument("--batch-tokens", type=number(int), default=1024,
+    dist.add_argument("--batch-tokens", type=number(int), default=512,
                       help="tokens per training step (default: %(default)s)")
-    dist.add_argument("--lr", type=number(float), default=3e-4, help="peak learning rate (default: %(default)s)")
+    dist.add_argument("--lr", type=number(float), default=1e-3, help="peak learning rate (default: %(default)s)")
     dist.add_argument("--loss", choices=["kl", "ce"], default="kl",
                       help="kl: match the target's top-32 distributions; ce: its answer tokens (default: kl)")
     dist.add_argument("--train-embeddings", action="store_true",

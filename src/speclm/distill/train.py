@@ -11,6 +11,7 @@ used, so a run cut short by ``--max-minutes`` still ends at a low rate.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import SpeclmError
+from ..models.loading import cache_dir
 from .data import Example, add_soft_labels, distill_prompts, target_answers
 from .student import build_student, num_params, pick_layers
 
@@ -35,8 +37,8 @@ class DistillConfig:
     max_minutes: float = 15.0  # training time bound (data generation is not counted)
     max_steps: int = 0  # 0: until the time bound
     max_new_tokens: int = 128  # length of each target answer
-    batch_tokens: int = 1024  # tokens per training step (whole sequences, at least one)
-    lr: float = 3e-4
+    batch_tokens: int = 512  # tokens per training step (whole sequences, at least one)
+    lr: float = 1e-3
     topk: int = 32  # soft-label width
     loss: str = "kl"  # "kl" (target top-k distributions) or "ce" (target answer tokens)
     train_embeddings: bool = False
@@ -55,6 +57,34 @@ class DistillConfig:
                 raise SpeclmError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.holdout < 0.9 or not self.lr > 0 or self.max_steps < 0 or self.num_prompts < 0:
             raise SpeclmError("need 0 <= holdout < 0.9, lr > 0, max steps >= 0 and num prompts >= 0")
+
+
+def load_or_make_examples(target, tokenizer, prompts: list[str], eos_ids: list[int], config: DistillConfig,
+                          target_path: str, progress: bool) -> tuple[list[Example], Path | None]:
+    """The target's answers and soft labels, cached per target folder, prompts and settings (they
+    take longer than a short training run, and another --layers or --lr can reuse them)."""
+    path = None
+    if target_path:
+        key = hashlib.sha256(json.dumps([target_path, prompts, config.max_new_tokens, config.topk,
+                                         str(target.dtype)]).encode()).hexdigest()[:16]
+        path = cache_dir() / "distill-data" / f"{Path(target_path).name}-{key}.pt"
+        if path.is_file():
+            try:
+                return [Example(**row) for row in torch.load(path)], path
+            except Exception:  # a damaged cache file is rebuilt, not fatal
+                pass
+    examples = target_answers(target, tokenizer, prompts, eos_ids, max_new_tokens=config.max_new_tokens,
+                              progress=progress)
+    add_soft_labels(target, examples, config.topk, progress)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            torch.save([asdict(ex) for ex in examples], tmp)
+            tmp.replace(path)
+        except OSError:
+            pass  # caching is an optimisation
+    return examples, None
 
 
 def _batches(examples: list[Example], batch_tokens: int, gen: torch.Generator):
@@ -122,9 +152,9 @@ def distill(target, tokenizer, eos_ids: list[int], out: Path, config: DistillCon
     log(f"speclm distill: student keeps target layers {layers} ({num_params(student) / 1e6:.1f}M "
         f"parameters); {len(prompts)} prompts")
     target.eval()
-    examples = target_answers(target, tokenizer, prompts, eos_ids, max_new_tokens=config.max_new_tokens,
-                              progress=progress)
-    add_soft_labels(target, examples, config.topk, progress)
+    examples, cached = load_or_make_examples(target, tokenizer, prompts, eos_ids, config, target_path, progress)
+    if cached:
+        log(f"speclm distill: reusing the target's answers and distributions from {cached}")
     data_seconds = time.perf_counter() - started
     gen = torch.Generator().manual_seed(config.seed)
     order = torch.randperm(len(examples), generator=gen).tolist()

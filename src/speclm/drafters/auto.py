@@ -11,10 +11,13 @@ Policy, per session (the choice carries over from request to request):
 
 1. *probe*: each candidate drafts ``probe_rounds`` rounds in turn; the first round of each turn
    is not timed (it may catch up on tokens the candidate has not seen);
-2. *exploit*: the fastest candidate drafts; its rate is tracked as a moving average;
-3. *re-probe* every ``reprobe_every`` rounds, or at once when the current choice's rate falls
-   below ``1 - margin`` times the best rate another candidate showed (acceptance changed: the
-   conversation moved from copying to writing, say), then choose again.
+2. *exploit*: the fastest candidate drafts. Rates are pooled tokens over pooled seconds (a rate
+   over many rounds; single rounds swing threefold), history fading slowly;
+3. *re-probe* every ``reprobe_every`` rounds, or at once when the current choice's rate over its
+   last ~7 rounds falls below ``1 - margin`` times the best rate another candidate showed
+   (acceptance changed: the conversation moved from copying to writing, say), then choose
+   again. A candidate far behind the best (below 0.75x) sits out 1, 2, 4, then 8 re-probes
+   while it keeps losing, so a hopeless drafter costs little.
 
 Every decision (round, choice, reason, the rates it saw) goes into the request's
 ``RequestStats.drafter_report``, so the CLI and ``speclm bench`` show what was chosen and why.
@@ -50,32 +53,40 @@ class NoDrafter:
 
 @dataclass
 class _Rate:
-    """Measured tokens per second of one candidate."""
+    """Measured tokens per second of one candidate: sums of tokens and seconds over timed rounds,
+    older rounds fading by ``decay`` per new round (a rate over many rounds, not an average of
+    per-round rates, which swing threefold between a 1-token and a 3-token round)."""
 
-    tokens: int = 0  # committed in timed rounds
+    decay: float
+    tokens: float = 0.0
     seconds: float = 0.0
-    drafted: int = 0
-    accepted: int = 0
-    ema: float | None = None  # moving average of the per-round rate while chosen
+    drafted: float = 0.0
+    accepted: float = 0.0
 
     @property
     def pooled(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def add(self, tokens: int, seconds: float, drafted: int, accepted: int, weight: float) -> None:
-        self.tokens += tokens
-        self.seconds += seconds
-        self.drafted += drafted
-        self.accepted += accepted
-        rate = tokens / seconds if seconds > 0 else 0.0
-        self.ema = rate if self.ema is None else (1 - weight) * self.ema + weight * rate
+    def add(self, tokens: int, seconds: float, drafted: int, accepted: int) -> None:
+        d = self.decay
+        self.tokens = d * self.tokens + tokens
+        self.seconds = d * self.seconds + seconds
+        self.drafted = d * self.drafted + drafted
+        self.accepted = d * self.accepted + accepted
+
+    def fade(self, weight: float) -> None:
+        """Keep ``weight`` of the history (before a new probe of this candidate)."""
+        self.tokens *= weight
+        self.seconds *= weight
+        self.drafted *= weight
+        self.accepted *= weight
 
 
 class AutoDrafter:
     """Chooses among ``candidates`` (name -> (drafter, max draft length)) by measured speed."""
 
-    def __init__(self, candidates: dict[str, tuple[Drafter, int]], probe_rounds: int = 6,
-                 reprobe_every: int = 256, margin: float = 0.15) -> None:
+    def __init__(self, candidates: dict[str, tuple[Drafter, int]], probe_rounds: int = 8,
+                 reprobe_every: int = 256, margin: float = 0.25) -> None:
         if not candidates:
             raise SpeclmError("auto needs at least one candidate drafter")
         if probe_rounds < 2:
@@ -86,10 +97,14 @@ class AutoDrafter:
         self.reprobe_every = reprobe_every
         self.margin = margin
         self.wants_target_topk = max(wanted_target_topk(d) for d, _ in candidates.values())
-        self.rates: dict[str, _Rate] = {}  # from the latest probe (and exploitation) of each
+        # per candidate: its rate over every timed round (slowly fading), and a short window of
+        # the chosen one's recent rounds (to notice when its acceptance changes)
+        self.rates: dict[str, _Rate] = {n: _Rate(decay=0.99) for n in self.names}
+        self._recent = _Rate(decay=0.85)
+        self._sit_out: dict[str, int] = dict.fromkeys(self.names, 0)  # re-probes to skip
+        self._losses: dict[str, int] = dict.fromkeys(self.names, 0)  # clear losses in a row
         self.choice: str | None = None  # None until the first probe has finished
         self._queue: list[str] = list(self.names)  # candidates still to probe, in order
-        self._probe = _Rate()  # the running probe window of _queue[0]
         self._probe_round = 0
         self._since_choice = 0
         self._round = 0  # rounds drafted in this session
@@ -149,43 +164,62 @@ class AutoDrafter:
     # -- policy -----------------------------------------------------------------------------
     def _probing(self, name: str, tokens: int, seconds: float, accepted: int) -> None:
         self._probe_round += 1
-        if self._probe_round > 1 and self._timed:  # a turn's first round may be catching up
-            self._probe.add(tokens, seconds, self._drafted, accepted, weight=1.0)
+        if self._probe_round == 1:
+            self.rates[name].fade(0.3)  # the new probe outweighs what the candidate did before
+        elif self._timed:  # a turn's first round may be catching up on unseen tokens: not timed
+            self.rates[name].add(tokens, seconds, self._drafted, accepted)
         if self._probe_round >= self.probe_rounds:
-            self.rates[name] = self._probe
-            self._probe, self._probe_round = _Rate(), 0
+            self._probe_round = 0
             self._queue.pop(0)
             if not self._queue:
                 self._decide("probed")
 
     def _exploiting(self, name: str, tokens: int, seconds: float, accepted: int) -> None:
-        rate = self.rates[name]
         if self._timed:
-            rate.add(tokens, seconds, self._drafted, accepted, weight=0.1)
+            self.rates[name].add(tokens, seconds, self._drafted, accepted)
+            self._recent.add(tokens, seconds, self._drafted, accepted)
         self._since_choice += 1
         others = [self.rates[n].pooled for n in self.names if n != name]
         if self._since_choice >= self.reprobe_every:
             self._start_probe("periodic re-probe")
         elif (self._since_choice >= 2 * self.probe_rounds and others
-              and rate.ema < (1 - self.margin) * max(others)):
-            self._start_probe(f"{name} fell to {rate.ema:.1f} tok/s")
+              and self._recent.pooled < (1 - self.margin) * max(others)):
+            self._start_probe(f"{name} fell to {self._recent.pooled:.1f} tok/s", everyone=True)
 
-    def _start_probe(self, reason: str) -> None:
-        self._queue = [n for n in self.names if n != self.choice] + [self.choice]
+    def _start_probe(self, reason: str, everyone: bool = False) -> None:
+        """Probe the others again, then the current choice, to compare like with like. On a
+        periodic re-probe, clear losers sit out 1, 2, 4, 8 re-probes in a row as they keep
+        losing; when the choice itself fell (the workload changed), everyone is probed."""
+        queue = []
+        for n in self.names:
+            if n == self.choice:
+                continue
+            if self._sit_out[n] > 0 and not everyone:
+                self._sit_out[n] -= 1
+            else:
+                queue.append(n)
+        self._queue = queue + [self.choice]
         self._log("probe", reason)
 
     def _decide(self, reason: str) -> None:
         best = max(self.names, key=lambda n: self.rates[n].pooled)
+        top = self.rates[best].pooled
+        for n in self.names:  # a candidate far behind is probed less and less often
+            if self.rates[n].pooled < 0.75 * top:
+                self._losses[n] += 1
+                self._sit_out[n] = min(8, 2 ** (self._losses[n] - 1))
+            else:
+                self._losses[n] = 0
         self._log(best, reason if best == self.choice or self.choice is None
                   else f"{reason}: switch from {self.choice}")
         self.choice = best
-        self.rates[best].ema = self.rates[best].pooled
+        self._recent = _Rate(decay=self._recent.decay)
         self._since_choice = 0
 
     def _log(self, action: str, reason: str) -> None:
         self._request["decisions"].append({
             "round": self._round, "action": action, "reason": reason,
-            "rates": {n: round(r.pooled, 2) for n, r in self.rates.items()}})
+            "rates": {n: round(r.pooled, 2) for n, r in self.rates.items() if r.seconds > 0}})
 
     # -- reporting --------------------------------------------------------------------------
     def _finish_request(self) -> None:
@@ -201,7 +235,7 @@ class AutoDrafter:
 
     def report(self) -> dict:
         rates = {n: {"tok_s": round(r.pooled, 2), "alpha": round(r.accepted / r.drafted, 3) if r.drafted else None}
-                 for n, r in self.rates.items()}
+                 for n, r in self.rates.items() if r.seconds > 0}
         used = {n: c for n, c in self._request.get("rounds", {}).items() if c}
         active = self.choice or (self._queue[0] if self._queue else None)
         figures = ", ".join(f"{n} {r['tok_s']:.1f}" for n, r in sorted(rates.items(), key=lambda x: -x[1]["tok_s"]))

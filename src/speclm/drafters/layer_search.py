@@ -10,9 +10,13 @@ from speclm's own prompt set:
    (ShortGPT, Men et al. 2024); one forward per prompt. Then measure the teacher-forced top-1
    agreement of a few prefixes of that order with the target (the subset drafting on top of the
    target's cache for the prompt, as it does when it drafts), to see how far skipping can go.
-2. **Time the candidates**: up to ``num_candidates`` prefixes with agreement above ``floor`` drive
-   real speculative generation on the same prompts, interleaved with plain decoding; the measured
-   decode speedup (median over prompts) decides.
+2. **Time the candidates**: each prefix's speedup is predicted from its agreement and measured
+   forward times (a one-token step, a (K + 1)-token verify, a one-token draft step: Leviathan et
+   al.'s expected tokens per round over the round's cost), and the ``num_candidates`` most
+   promising prefixes with agreement above ``floor`` drive real speculative generation on the
+   same prompts, interleaved with plain decoding (plain, layer skip, layer skip, plain, each
+   side keeping its faster run, because one burst of load on a shared machine can halve a run's
+   speed); the measured decode speedup (median over prompts) decides.
 
 The choice, with every measured figure, is cached as JSON under the speclm cache directory, keyed
 by the model folder, dtype and device type, so the minutes are spent once per model and machine.
@@ -37,7 +41,7 @@ from ..models.hf import HFCausalLM
 from ..models.layer_subset import LayerSubset, decoder_layers
 from ..models.loading import cache_dir
 
-SEARCH_VERSION = 2  # bump when the procedure changes: older cached choices are then ignored
+SEARCH_VERSION = 4  # bump when the procedure changes: older cached choices are then ignored
 
 
 @dataclass
@@ -51,6 +55,8 @@ class SkipChoice:
     order: list[int] = field(default_factory=list)  # layers in the order they are given up
     influence: list[float] = field(default_factory=list)  # block influence of each layer
     agreement: dict = field(default_factory=dict)  # skipped count -> top-1 agreement
+    predicted: dict = field(default_factory=dict)  # skipped count -> speedup predicted from costs
+    step_costs_ms: dict = field(default_factory=dict)  # measured forward times behind the prediction
     candidates: list[dict] = field(default_factory=list)  # every timed candidate and its figures
     version: int = SEARCH_VERSION
 
@@ -148,6 +154,44 @@ class _Agreement:
         return hits / max(1, self.total)
 
 
+def _expected_tokens(alpha: float, k: int) -> float:
+    """Tokens per round with i.i.d. acceptance alpha and k draft tokens."""
+    return float(k + 1) if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def _step_costs(case, skips: list[list[int]], k: int, reps: int = 5) -> dict:
+    """Best-of-``reps`` seconds of a one-token target step ("plain"), a (k + 1)-token verify ("verify"),
+    and a one-token draft step per layer set (keys listed in "draft")."""
+    fork, start, fed, _ = case
+
+    def best_time(call) -> float:  # the fastest of a few (after a warm-up): robust to load bursts
+        call()
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    def target_step(tokens: torch.Tensor) -> None:
+        fork.forward(tokens, start, num_logits=tokens.shape[0])
+        fork.rollback(start)
+
+    costs: dict = {"plain": best_time(lambda: target_step(fed[:1])),
+                   "verify": best_time(lambda: target_step(fed[: k + 1])), "draft": []}
+    for skip in skips:
+        subset = LayerSubset(fork, skip)
+
+        def draft_step() -> None:
+            subset.forward(fed[:1], start)
+            subset.discard()
+
+        key = f"draft_skip{len(skip)}"
+        costs[key] = best_time(draft_step)
+        costs["draft"].append(key)
+    return costs
+
+
 def _decode_rate(stats) -> float:
     decode = stats.total_time_s - stats.prefill_time_s
     return stats.generated_tokens / decode if decode > 0 else 0.0
@@ -162,7 +206,7 @@ def search_skip(
     max_tokens: int = 32,
     floor: float = 0.3,
     max_fraction: float = 0.6,
-    num_candidates: int = 3,
+    num_candidates: int = 2,
     max_seconds: float = 240.0,
     progress: bool = True,
 ) -> SkipChoice:
@@ -190,7 +234,7 @@ def search_skip(
 
     max_skip = max(1, min(num_layers - 1, round(num_layers * max_fraction)))
     sizes = sorted({max(1, round(max_skip * j / 6)) for j in range(1, 7)})  # agreement checkpoints
-    bar = tqdm(total=len(prompts) * (1 + 2 * num_candidates) + len(sizes), desc="layer search",
+    bar = tqdm(total=len(prompts) * (1 + 4 * num_candidates) + len(sizes), desc="layer search",
                unit="step", disable=not progress, file=sys.stderr)
     plain = []
     for prompt in prompts:  # also warms the model up
@@ -210,38 +254,46 @@ def search_skip(
         if agreement[size] < floor:
             break
 
-    # 2. time a few prefixes of the order against plain decoding, interleaved
-    usable = [size for size, a in agreement.items() if a >= floor] or [min(agreement)]
-    picks = sorted({usable[round(j * (len(usable) - 1) / max(1, num_candidates - 1))]
-                    for j in range(num_candidates)}, reverse=True)  # the cheapest draft first
-    bar.total = bar.n + 2 * len(prompts) * len(picks)
+    # 2. predict each prefix's speedup from measured step costs (Leviathan et al.: expected
+    #    tokens per round over the round's cost), then time the most promising ones for real
+    costs = _step_costs(agreement_of.cases[0], [order[:size] for size in agreement], k)
+    predicted = {size: _expected_tokens(a, k) * costs["plain"] / (costs["verify"] + k * costs[size_key])
+                 for (size, a), size_key in zip(agreement.items(), costs["draft"])}
+    ranked = sorted((size for size, a in agreement.items() if a >= floor), key=lambda size: -predicted[size])
+    picks = (ranked or [min(agreement)])[:num_candidates]
+    bar.total = bar.n + 4 * len(prompts) * len(picks)
+    bar.refresh()
     candidates = []
     for size in picks:
         skip = sorted(order[:size])
         ratios, accepted, drafted, identical = [], 0, 0, True
         for i, prompt in enumerate(prompts):
-            if i % 2:  # alternate which runs first
-                spec_out, spec = run(prompt, skip)
-                plain_out, base = run(prompt, None)
-            else:
-                plain_out, base = run(prompt, None)
-                spec_out, spec = run(prompt, skip)
-            ratios.append(_decode_rate(spec) / max(_decode_rate(base), 1e-9))
-            accepted += spec.accepted_tokens
-            drafted += spec.drafted_tokens
-            identical &= spec_out == plain_out
-            bar.update(2)
+            # plain, spec, spec, plain (then the mirror order): on a shared machine a burst of
+            # load can halve one run's speed, so each side keeps the faster of its two runs
+            rates = {"plain": [], "spec": []}
+            for which in (["plain", "spec", "spec", "plain"] if i % 2 == 0 else ["spec", "plain", "plain", "spec"]):
+                out, stats = run(prompt, skip if which == "spec" else None)
+                rates[which].append(_decode_rate(stats))
+                if which == "spec":
+                    accepted += stats.accepted_tokens
+                    drafted += stats.drafted_tokens
+                    identical &= out == conts[i]
+                bar.update(1)
+            ratios.append(max(rates["spec"]) / max(max(rates["plain"]), 1e-9))
         candidates.append(dict(skip=skip, kept=num_layers - len(skip), agreement=agreement[size],
-                               speedup=statistics.median(ratios), alpha=accepted / max(1, drafted),
-                               identical=identical))
-        if time.perf_counter() - start > max_seconds:
+                               predicted=predicted[size], speedup=statistics.median(ratios),
+                               alpha=accepted / max(1, drafted), identical=identical))
+        if len(candidates) >= 2 and time.perf_counter() - start > max_seconds:
             break
     bar.close()
     best = max(candidates, key=lambda c: c["speedup"])
     return SkipChoice(skip=best["skip"], speedup=best["speedup"], alpha=best["alpha"], k=k,
                       num_layers=num_layers, seconds=time.perf_counter() - start, order=order,
                       influence=[round(v, 5) for v in influence],
-                      agreement={str(size): a for size, a in agreement.items()}, candidates=candidates)
+                      agreement={str(size): a for size, a in agreement.items()},
+                      predicted={str(size): round(p, 3) for size, p in predicted.items()},
+                      step_costs_ms={key: round(value * 1e3, 2) for key, value in costs.items() if key != "draft"},
+                      candidates=candidates)
 
 
 def choose_skip(target: HFCausalLM, tokenizer, model_path: Path | None, *, refresh: bool = False,

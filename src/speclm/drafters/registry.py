@@ -214,7 +214,7 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
     DrafterKind("suffix", "suffix matching over every prompt and output of the session",
                 {"capacity": (int, 1 << 18), "factor": (float, 1.0)}, 10, _suffix),
     DrafterKind("recycle", "token recycling: the target's own top-k from earlier verify steps",
-                {"topk": (int, 8)}, 6, _recycle),
+                {"topk": (int, 8)}, 2, _recycle),
     DrafterKind("layerskip", "the target minus some layers (searched per model unless skip= given)",
                 {"skip": (IntList(), None), "refresh": (int, 0), "p_min": (float, 0.0)}, 3,
                 _layerskip, _check_p_min),

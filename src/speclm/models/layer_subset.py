@@ -5,7 +5,9 @@ target itself, running only some of its layers; early exit (LayerSkip, Elhoushi 
 the special case "the first N layers, then the final norm and the LM head". No weights are copied
 and no model file is forked: for the duration of one forward, the stock model's layer list is
 swapped for one in which each skipped layer is an identity module. Layer indices stay aligned,
-so per-layer config (sliding windows, layer types) and cache slots keep their meaning.
+so per-layer config (sliding windows, layer types) and cache slots keep their meaning. The swap
+is visible to anything else running the same model object during that forward, so a model that
+drafts this way must not be run from two threads at once (the engine runs one request at a time).
 
 **The cache is the target's own.** The draft attends to the target's keys and values for every
 committed position, and writes the keys and values of its draft positions into the kept layers
