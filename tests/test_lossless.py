@@ -188,7 +188,8 @@ def test_sampling_matches_target_distribution(kind):
     elif kind == "suffix":
         drafter = SuffixDrafter(capacity=64, factor=0)
     elif kind == "auto":
-        drafter = AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 2), 2),
+        # no plain-decoding candidate: on a tiny model it wins on time and nothing is drafted
+        drafter = AutoDrafter({"ngram": (NgramDrafter(1, 2), 2),
                                "recycle": (RecycleDrafter(vocab, 2), 2),
                                "layerskip": (LayerSkipDrafter(lm, [1]), 2)}, probe_rounds=2, reprobe_every=8)
     else:
