@@ -25,6 +25,22 @@ def test_method_specs():
     assert parse_method("oracle:a=0.9,k=2").options["a"] == 0.9
 
 
+def test_method_row_names_show_the_last_path_component(tmp_path):
+    import argparse
+
+    from speclm.bench.command import method_specs
+
+    (tmp_path / "a" / "eagle-x").mkdir(parents=True)
+    (tmp_path / "b" / "eagle-x").mkdir(parents=True)
+    one, two = f"eagle:{tmp_path}/a/eagle-x", f"hf-assisted:path={tmp_path}/a/eagle-x/,k=3"
+    args = argparse.Namespace(method=[one, two, "ngram:k=3"], oracle_sweep=False, temperature=0.0)
+    specs = method_specs(args)
+    assert [s.label for s in specs] == ["eagle:eagle-x", "hf-assisted:path=eagle-x,k=3", "ngram:k=3"]
+    assert specs[0].options["path"] == f"{tmp_path}/a/eagle-x"  # the path itself is untouched
+    args.method = [one, f"eagle:{tmp_path}/b/eagle-x"]  # short names would be twins: keep the full ones
+    assert [s.label for s in method_specs(args)] == args.method
+
+
 @pytest.mark.parametrize("text,needle", [
     ("hydra", "unknown method"), ("ngram:k", "malformed"), ("ngram:q=3", "malformed"),
     ("ngram:k=x", "must be a int"), ("draft", "needs path"), ("oracle:a=1.5", "a must be"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -81,6 +82,9 @@ def method_specs(args: argparse.Namespace) -> list[MethodSpec]:
     specs = [parse_method(m) for m in texts]
     if len({s.label for s in specs}) != len(specs):
         raise SpeclmError("the same method spec is given twice")
+    short = [s.short_label() for s in specs]
+    if len(set(short)) == len(specs):  # row names in tables and plots, unless that makes twins
+        specs = [dataclasses.replace(s, label=label) for s, label in zip(specs, short)]
     if args.temperature > 0 and any(s.name == "oracle" for s in specs):
         raise SpeclmError("the oracle method replays greedy output: use it with --temperature 0")
     return specs

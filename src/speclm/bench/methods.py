@@ -51,6 +51,21 @@ class MethodSpec:
     def k(self) -> int:
         return int(self.options.get("k", 0))
 
+    def short_label(self) -> str:
+        """The label with each path option cut to its last component (``medusa:path=medusa-smollm2``)."""
+        if not any(isinstance(v, str) and "/" in v for v in self.options.values()):
+            return self.label
+        head, _, rest = self.label.partition(":")
+        parts = []
+        for i, item in enumerate(rest.split(",")):
+            key, eq, value = item.partition("=")
+            if not eq and i == 0 and "/" in key:  # a bare first option is the path
+                key = Path(key.rstrip("/")).name
+            elif eq and "/" in value:
+                value = Path(value.rstrip("/")).name
+            parts.append(key + eq + value)
+        return head + ":" + ",".join(parts)
+
     @property
     def drafter(self) -> OptionString | None:
         """The speclm drafter this method runs (its own options only), or None."""
