@@ -109,6 +109,23 @@ def test_worker_errors_surface_and_threads_stop(target, monkeypatch):
     assert not _workers()
 
 
+def test_cpu_threads_are_split_for_the_request_and_restored(target):
+    """Target and worker share the cores (no oversubscription); the caller's budget comes back."""
+    lm = backend(target)
+    drafter = AsyncDraftModelDrafter(backend(noisy_copy(target, 0.05, seed=3)), V, threads=1)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        steps = generate_tokens(lm, torch.tensor([1, 2, 3]), SamplingParams(max_tokens=30, ignore_eos=True),
+                                drafter=drafter, draft_length=DraftLengthConfig(4))
+        next(steps)
+        assert torch.get_num_threads() == 2  # 3 - the worker's 1, while the request runs
+        list(steps)
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_closing_the_stream_early_stops_the_worker(target):
     lm = backend(target)
     drafter = AsyncDraftModelDrafter(backend(noisy_copy(target, 0.05, seed=3)), V)

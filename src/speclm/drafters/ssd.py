@@ -17,7 +17,10 @@ ordinary drafting. Correctness never depends on the speculation: every draft is 
 sampled branch tokens carry the q they were drawn from.
 
 Threads: on CPU the worker runs with its own intra-op thread budget (``threads``; PyTorch
-releases the GIL inside ops); on CUDA it works on its own stream. Its exceptions surface in the
+releases the GIL inside ops) and, for the request, the caller's budget shrinks by as much
+(never below one), so target and drafter share the cores instead of oversubscribing them:
+with OpenMP's spinning workers, three busy threads on two cores made a verify 4x slower
+(measured, docs/benchmarks.md). On CUDA the worker works on its own stream. Its exceptions surface in the
 caller at the next ``on_verified``; ``finish`` stops it at the end of the request.
 """
 
@@ -75,6 +78,7 @@ class AsyncDraftModelDrafter(DraftModelDrafter):
         self._job: Future | None = None
         self._ready: _Branch | None = None
         self._trunk_logits: torch.Tensor | None = None  # [k, V] of the draft just proposed
+        self._caller_threads: int | None = None  # the caller's intra-op threads before the split
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -103,6 +107,9 @@ class AsyncDraftModelDrafter(DraftModelDrafter):
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
+        if self._caller_threads is not None:
+            torch.set_num_threads(self._caller_threads)
+            self._caller_threads = None
 
     def report(self) -> dict:
         rate = self.hits / self.rounds if self.rounds else 0.0
@@ -158,6 +165,9 @@ class AsyncDraftModelDrafter(DraftModelDrafter):
 
     def _start(self, draft: Draft, ctx: DraftContext, seed: int) -> None:
         if self._pool is None:
+            if self._stream is None:  # CPU: split the cores between the target and the worker
+                self._caller_threads = torch.get_num_threads()
+                torch.set_num_threads(max(1, self._caller_threads - self.threads))
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speclm-ssd",
                                             initializer=torch.set_num_threads, initargs=(self.threads,))
         trunk = draft.tokens.to(self.model.device)
