@@ -89,7 +89,7 @@ def test_bench_end_to_end_writes_outputs(capsys, model_dirs, tmp_path):
     assert {"environment", "meta", "summary", "rows"} <= set(result)
     assert len(result["rows"]) == 3 * 6  # two turns + one prompt, six methods (plain added)
     assert all(r["identical"] for r in result["rows"])  # greedy: every method equals plain
-    selfdraft = result["summary"][f"draft:path={target},k=3"]["all"]
+    selfdraft = result["summary"]["draft:path=target,k=3"]["all"]  # rows name a path by its last part
     assert selfdraft["alpha"] == 1.0 and selfdraft["bound"] == pytest.approx(4 / (1 + 3 * selfdraft["c"]))
     for name in ("results.md", "speedup_by_category.png", "acceptance_by_position.png", "measured_vs_bound.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0
