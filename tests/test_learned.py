@@ -245,6 +245,10 @@ def test_train_drafter_command_end_to_end(method, model_dirs, tmp_path, capsys, 
     (["--held-out", "0.9"], "--held-out"),
     (["--no-default-prompts"], "needs --prompts"),
     (["--feature-layers", "x"], "--feature-layers"),
+    (["--epochs", "0"], "--epochs must be > 0"),
+    (["--max-minutes", "-1"], "--max-minutes must be > 0"),
+    (["--lr", "-1"], "--lr must be > 0"),
+    (["--heads", "0"], "--heads must be > 0"),
 ])
 def test_train_drafter_bad_input(argv, needle, model_dirs, tmp_path, capsys):
     from speclm.cli import main

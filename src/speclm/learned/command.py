@@ -81,6 +81,13 @@ def run(args: argparse.Namespace) -> int:
 
     if not 0 < args.held_out < 0.5:
         raise SpeclmError(f"--held-out must be in (0, 0.5), got {args.held_out}")
+    for flag in ("epochs", "max_new_tokens", "batch_size", "heads", "tree_budget", "draft_vocab",
+                 "max_minutes", "lr"):
+        value = getattr(args, flag)
+        if value is not None and value <= 0:
+            raise SpeclmError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
+    if args.unroll < 0 or args.seed < 0:
+        raise SpeclmError(f"--unroll and --seed must be >= 0, got {args.unroll} and {args.seed}")
     if args.no_default_prompts and not args.prompts:
         raise SpeclmError("--no-default-prompts needs --prompts FILE")
     _feature_layers(args.feature_layers, 10**6)  # malformed text fails before the model loads
