@@ -242,3 +242,11 @@ def test_growing_a_tree_level_by_level_equals_one_forward():
         out = grown.forward(nodes[upto - fed : upto], grown.cache_length, num_logits=fed,
                             tree=TreeMeta.from_parents(parents[:upto])).logits
         torch.testing.assert_close(out, whole[upto - fed + 1 : upto + 1], atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2, 7])
+def test_chain_built_directly_equals_the_general_construction(k):
+    direct, general = TreeMeta.chain(k), TreeMeta.from_parents(torch.arange(-1, k - 1))
+    for name in ("parents", "depth", "ancestors", "children"):
+        assert torch.equal(getattr(direct, name), getattr(general, name)), name
+    assert direct.max_depth == general.max_depth

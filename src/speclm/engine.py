@@ -138,7 +138,7 @@ def generate_tokens(
             stats.target_time_s += t2 - t1
             stats.record_round(k, num_accepted, draft.depth)
             if policy is not None:
-                policy.update(k, num_accepted, t1 - t0, t2 - t1)
+                policy.update(draft.depth, num_accepted, t1 - t0, t2 - t1)  # K is a depth (trees)
             # -- commit --------------------------------------------------------------------
             tokens[n : n + len(emitted)] = torch.tensor(emitted)
             n += len(emitted)

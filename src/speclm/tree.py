@@ -77,7 +77,13 @@ class TreeMeta:
 
     @staticmethod
     def chain(k: int) -> TreeMeta:
-        return TreeMeta.from_parents(torch.arange(-1, k - 1))
+        """The one-branch tree of k nodes, built directly: catching up on a long prompt asks for
+        chains of thousands of nodes, where ``from_parents``' matrix squaring would cost O(k^3 log k)."""
+        index = torch.arange(k)
+        # the pending token's child is node 0, node i's is node i + 1, the last has none
+        children = torch.cat([index, torch.tensor([-1])]).view(k + 1, 1) if k else \
+            torch.full((1, 0), -1, dtype=torch.long)
+        return TreeMeta(index - 1, index + 1, torch.ones(k, k, dtype=torch.bool).tril(), children, k)
 
     def positions(self, start: int, rows: int | None = None) -> torch.Tensor:
         """[T] positions of the last T = ``rows`` (default k + 1) entries of [pending, nodes...]

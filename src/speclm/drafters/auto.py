@@ -156,6 +156,12 @@ class AutoDrafter:
         else:
             self._exploiting(name, len(emitted), seconds, num_accepted)
 
+    def finish(self) -> None:
+        """The request is over, however it ended: candidates holding resources let them go."""
+        for drafter, _ in self.candidates.values():
+            if callable(getattr(drafter, "finish", None)):
+                drafter.finish()
+
     def on_target_topk(self, fed: torch.Tensor, topk_ids: torch.Tensor) -> None:
         for drafter, _ in self.candidates.values():  # learners learn from every round
             if wanted_target_topk(drafter):

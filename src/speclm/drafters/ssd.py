@@ -136,7 +136,9 @@ class AsyncDraftModelDrafter(DraftModelDrafter):
                 self.model.rollback(self._synced)
             draft = self._draft_recording(ctx)
         if draft.num_tokens:
-            seed = int(torch.randint(0, 2**62, (1,), generator=ctx.generator))  # on this thread
+            seed = 0  # branch draws need their own stream only when sampling (drawn on this thread)
+            if not ctx.params.greedy:
+                seed = int(torch.randint(0, 2**62, (1,), generator=ctx.generator, device=ctx.generator.device))
             self._start(draft, ctx, seed)
         return draft
 
@@ -171,7 +173,12 @@ class AsyncDraftModelDrafter(DraftModelDrafter):
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speclm-ssd",
                                             initializer=torch.set_num_threads, initargs=(self.threads,))
         trunk = draft.tokens.to(self.model.device)
-        self._job = self._pool.submit(self._speculate, trunk, self._trunk_logits, ctx.params, ctx.max_tokens, seed)
+        ready = None
+        if self._stream is not None:  # the worker's stream waits for what this stream queued
+            ready = torch.cuda.Event()
+            ready.record()
+        self._job = self._pool.submit(self._speculate, trunk, self._trunk_logits, ctx.params, ctx.max_tokens,
+                                      seed, ready)
 
     def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
         start = time.perf_counter()
@@ -201,8 +208,9 @@ class AsyncDraftModelDrafter(DraftModelDrafter):
 
     # -- the worker ----------------------------------------------------------------------------
     def _speculate(self, trunk: torch.Tensor, trunk_logits: torch.Tensor, params, depth: int,
-                   seed: int) -> _Speculation | None:
+                   seed: int, ready=None) -> _Speculation | None:
         if self._stream is not None:
+            self._stream.wait_event(ready)  # the draft cache and trunk written on the caller's stream
             with torch.cuda.stream(self._stream):
                 out = self._speculate_here(trunk, trunk_logits, params, depth, seed)
             self._stream.synchronize()

@@ -31,7 +31,9 @@ class HFCausalLM:
         self.num_layers = int(getattr(model.config, "num_hidden_layers", 0))
         self._cache = KVCache(model)
         # a tree mask replaces the model's own masks, so trees need plain full-attention layers
-        self.supports_trees = supports_trees(self._cache.hf)
+        # and an attention implementation that applies a 4D additive mask as given
+        attention = getattr(model.config, "_attn_implementation", None) or "eager"
+        self.supports_trees = attention in ("eager", "sdpa") and supports_trees(self._cache.hf)
         if not self._cache.hf.is_croppable:
             raise SpeclmError(
                 f"{type(model).__name__} uses a cache that cannot be rolled back "
@@ -69,7 +71,8 @@ class HFCausalLM:
         else:
             if not self.supports_trees:
                 raise SpeclmError(f"{type(self.model).__name__} has sliding-window or other special "
-                                  "attention layers; token trees need full attention (use a chain drafter)")
+                                  "attention layers, or an attention implementation other than eager/sdpa; "
+                                  "token trees need full attention with a 4D mask (use a chain drafter)")
             root_slot = start_pos + num_new - (tree.num_nodes + 1)  # the pending token's slot
             if not 0 <= root_slot <= start_pos:
                 raise ValueError(f"{num_new} tokens cannot be the last rows of a tree of {tree.num_nodes} nodes")

@@ -72,7 +72,7 @@ class BufferLayer(DynamicLayer):
 
 def supports_trees(cache: DynamicCache) -> bool:
     """A tree mask replaces the model's own masks: only plain full-attention layers qualify."""
-    return all(isinstance(layer, BufferLayer) for layer in cache.layers)
+    return bool(cache.layers) and all(isinstance(layer, BufferLayer) for layer in cache.layers)
 
 
 class KVCache:
