@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import sample_token, warp_probs
 from ..tree import TreeMeta
 from .base import Draft, DraftContext
+from .draft_model import draft_chain
 from .tree_search import TreeShape, grow_tree
 
 
@@ -87,20 +87,15 @@ class EagleDrafter:
         return self._chain(root_logits, ctx)
 
     def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:
-        tokens, q_rows, hidden = [], [], self.root_hidden
-        for i in range(ctx.max_tokens):
-            if ctx.params.greedy:
-                token = logits.argmax(-1)  # [1]
-            else:
-                q = warp_probs(logits, ctx.params)  # [1, V], the target's warp
-                token = sample_token(q, ctx.generator)
-                q_rows.append(q)
-            tokens.append(token)
-            if i + 1 < ctx.max_tokens:  # the drafted pair: (own output, drafted token)
-                hidden = self._run(hidden.view(1, -1), token, self.processed + i, None, self.processed + i)[0]
-                logits = self._full_logits(hidden.view(1, -1))
-        draft_tokens = torch.cat(tokens).to(ctx.token_ids.device)
-        return Draft(draft_tokens, torch.cat(q_rows) if q_rows else None)
+        hidden = self.root_hidden
+
+        def step(token: torch.Tensor, i: int) -> torch.Tensor:  # the drafted pair: (own output, token)
+            nonlocal hidden
+            hidden = self._run(hidden.view(1, -1), token, self.processed + i, None, self.processed + i)[0]
+            return self._full_logits(hidden.view(1, -1))  # [1, V]
+
+        draft = draft_chain(logits, ctx.max_tokens, ctx, step)
+        return Draft(draft.tokens.to(ctx.token_ids.device), draft.q_draft)
 
     def expand(self, tokens: torch.Tensor, fed: TreeMeta) -> torch.Tensor:
         """Tree search step: the newest T nodes of ``fed``, each paired with its parent's output."""
