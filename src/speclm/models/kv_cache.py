@@ -117,10 +117,13 @@ class KVCache:
         if not 0 <= start <= self.length or (keep and (keep[0] < 0 or start + keep[-1] >= self.length)):
             raise CacheContractError(f"cannot keep {keep} after {start}: cache holds {self.length}")
         src = torch.tensor(keep, dtype=torch.long) + start
+        on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device, not per layer
         for layer in self.hf.layers:
             if not isinstance(layer, BufferLayer) or layer.keys is None:
                 raise CacheContractError(f"{type(layer).__name__} cannot be compacted after a tree")
-            index = src.to(layer.keys.device)
+            index = on_device.get(layer.keys.device)
+            if index is None:
+                index = on_device[layer.keys.device] = src.to(layer.keys.device)
             layer.keys[:, :, start : start + len(keep)] = layer.keys.index_select(2, index)
             layer.values[:, :, start : start + len(keep)] = layer.values.index_select(2, index)
         self.hf.crop(start + len(keep) - self.length)
