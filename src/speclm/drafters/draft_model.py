@@ -133,10 +133,14 @@ class DraftModelDrafter:
 
         def step(token: torch.Tensor, i: int) -> torch.Tensor:
             self._fed_drafts += 1
-            return self._fit_vocab(self.model.forward(token, total + i).logits)
+            return self._seen(self._fit_vocab(self.model.forward(token, total + i).logits))
 
-        draft = draft_chain(self._fit_vocab(logits), max_tokens, ctx, step, self.p_min)
+        draft = draft_chain(self._seen(self._fit_vocab(logits)), max_tokens, ctx, step, self.p_min)
         return Draft(draft.tokens.to(ids.device), draft.q_draft)  # q stays where the verifier runs
+
+    def _seen(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [1, V] at each chain position, as drafted (a hook for subclasses)."""
+        return logits
 
     def expand(self, tokens: torch.Tensor, fed) -> torch.Tensor:
         """Tree search step: run the newest tree nodes, return their next-token log-probs [T, V]."""

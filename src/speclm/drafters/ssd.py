@@ -143,27 +143,16 @@ class AsyncDraftModelDrafter(DraftModelDrafter):
         return draft
 
     def _draft_recording(self, ctx: DraftContext) -> Draft:
-        """Ordinary chain drafting that keeps the draft's logits at every position."""
-        ids = ctx.token_ids
-        total = ids.shape[0]
-        max_tokens = min(ctx.max_tokens, self.model.max_context - total + 1)
-        self._fed_drafts = 0
-        if max_tokens <= 0:
-            self._round_start = self._synced
-            return Draft.empty(ids.device)
-        self._round_start = total
-        first = self._fit_vocab(self.model.forward(ids[self._synced :], self._synced).logits)  # [1, V]
-        self._synced = total
-        rows = [first]
+        """Ordinary chain drafting (the base class's) that keeps the draft's logits at every position."""
+        self._rows: list[torch.Tensor] = []
+        draft = super().propose(ctx)
+        if draft.num_tokens:
+            self._trunk_logits = torch.cat(self._rows[: draft.num_tokens])  # [k, V]
+        return draft
 
-        def step(token: torch.Tensor, i: int) -> torch.Tensor:
-            self._fed_drafts += 1
-            rows.append(self._fit_vocab(self.model.forward(token, total + i).logits))
-            return rows[-1]
-
-        draft = draft_chain(first, max_tokens, ctx, step)
-        self._trunk_logits = torch.cat(rows[: draft.num_tokens])  # [k, V]
-        return Draft(draft.tokens.to(ids.device), draft.q_draft)
+    def _seen(self, logits: torch.Tensor) -> torch.Tensor:
+        self._rows.append(logits)
+        return logits
 
     def _start(self, draft: Draft, ctx: DraftContext, seed: int) -> None:
         if self._pool is None:
