@@ -35,28 +35,30 @@ def test_default_model_loads_with_chat_template(llm):
     assert llm.model_path.joinpath("model.safetensors").is_file()  # the dequantized cache
 
 
-def test_ngram_greedy_identity(llm, prompts):
-    params = SamplingParams(max_tokens=48)
-    accepted = 0
+def assert_identical_to_plain(llm, prompts, spec, max_tokens: int) -> list:
+    """Chat each prompt's first turn plainly and with ``spec`` (None: the LLM's default
+    speculation); the greedy outputs must match token for token. Returns the speculative outputs."""
+    params = SamplingParams(max_tokens=max_tokens)
+    outs = []
     for p in prompts:
         messages = [{"role": "user", "content": p["turns"][0]}]
         plain = llm.chat(messages, params, speculative=False)
-        spec = llm.chat(messages, params)
-        assert spec.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
-        accepted += spec.stats.accepted_tokens
-    assert accepted > 0
+        out = llm.chat(messages, params) if spec is None else llm.chat(messages, params, speculative=spec)
+        assert out.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
+        outs.append(out)
+    return outs
+
+
+def test_ngram_greedy_identity(llm, prompts):
+    outs = assert_identical_to_plain(llm, prompts, None, 48)
+    assert sum(out.stats.accepted_tokens for out in outs) > 0
 
 
 def test_self_draft_greedy_identity(llm, prompts):
     selfdraft = llm.make_speculation("default", 4)
     assert selfdraft.drafter.model.model is llm.target.model  # no second copy of the weights
-    params = SamplingParams(max_tokens=24)
-    for p in prompts[:4]:
-        messages = [{"role": "user", "content": p["turns"][0]}]
-        plain = llm.chat(messages, params, speculative=False)
-        spec = llm.chat(messages, params, speculative=selfdraft)
-        assert spec.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
-        assert spec.stats.alpha > 0.9  # float32 rounding may flip a rare near-tie in the draft
+    for out in assert_identical_to_plain(llm, prompts[:4], selfdraft, 24):
+        assert out.stats.alpha > 0.9  # float32 rounding may flip a rare near-tie in the draft
 
 
 @pytest.mark.parametrize("text", ["layerskip:skip=12-15", "early-exit:layers=20", "recycle", "suffix"])
@@ -64,15 +66,8 @@ def test_training_free_drafters_greedy_identity(llm, prompts, text):
     spec = llm.make_speculation(text)
     if hasattr(spec.drafter, "subset"):
         assert spec.drafter.subset.target is llm.target  # self-speculation: no second model
-    params = SamplingParams(max_tokens=24)
-    accepted = 0
-    for p in prompts[:3]:
-        messages = [{"role": "user", "content": p["turns"][0]}]
-        plain = llm.chat(messages, params, speculative=False)
-        out = llm.chat(messages, params, speculative=spec)
-        assert out.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
-        accepted += out.stats.accepted_tokens
-    assert accepted > 0
+    outs = assert_identical_to_plain(llm, prompts[:3], spec, 24)
+    assert sum(out.stats.accepted_tokens for out in outs) > 0
 
 
 def _learned_drafters(llm):
@@ -106,12 +101,7 @@ def test_trees_learned_and_async_drafters_greedy_identity(llm, prompts, text):
         spec = llm.make_speculation(_learned_drafters(llm)[text], 3)
     else:
         spec = llm.make_speculation(text, 3)
-    params = SamplingParams(max_tokens=20)
-    for p in prompts[:2]:
-        messages = [{"role": "user", "content": p["turns"][0]}]
-        plain = llm.chat(messages, params, speculative=False)
-        out = llm.chat(messages, params, speculative=spec)
-        assert out.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
+    assert_identical_to_plain(llm, prompts[:2], spec, 20)
 
 
 def test_batched_greedy_identity(llm, prompts):

@@ -59,13 +59,19 @@ def exact_output_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("name,p_logits,q_logits", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("params", WARPS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
-def test_exact_distribution(name, p_logits, q_logits, params):
+def warped_pair(p_logits: torch.Tensor, q_logits: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tensor]:
+    """p and q [V] after the shared warp; skips the case when the warp leaves q empty."""
     p = warp_probs(p_logits[None], params)[0]
     q = warp_probs(q_logits[None], params)[0]
     if q.sum() == 0 or torch.isnan(q).any():
         pytest.skip("warp leaves q empty")
+    return p, q
+
+
+@pytest.mark.parametrize("name,p_logits,q_logits", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("params", WARPS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_exact_distribution(name, p_logits, q_logits, params):
+    p, q = warped_pair(p_logits, q_logits, params)
     torch.testing.assert_close(exact_output_distribution(p, q), p, atol=1e-12, rtol=0)
 
 
