@@ -27,7 +27,7 @@ def prompts(request):
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("default", "ngram", 10)
+    return LLM("default", "ngram", 10, backend="torch")
 
 
 def test_default_model_loads_with_chat_template(llm):

@@ -56,6 +56,15 @@ class RequestOutput:
     stats: RequestStats = field(repr=False)
 
 
+def _needs_torch(speculative_model) -> bool:
+    """Whether a drafter spec reads the target's layers or hidden states (torch backend only)."""
+    if isinstance(speculative_model, OptionString):
+        return KINDS[speculative_model.name].needs is not None
+    if isinstance(speculative_model, str) and is_drafter_spec(speculative_model):
+        return KINDS[speculative_model.strip().partition(":")[0]].needs is not None
+    return False
+
+
 class LLM:
     """A target model plus (optionally) a drafter.
 
@@ -77,6 +86,14 @@ class LLM:
         ngram_min, ngram_max: n-gram sizes tried by prompt lookup (longest first).
         device, dtype: where and in what precision to run (``"auto"`` picks CUDA/bf16 if present).
         gguf_file: a GGUF file name inside ``model`` when ``model`` is a folder.
+        backend: ``"torch"`` (transformers), ``"llamacpp"`` (a GGUF file through llama.cpp; needs
+            ``pip install 'speclm[llamacpp]'``) or ``"auto"``: llama.cpp for a GGUF file on the CPU
+            when it is installed and the drafter does not need the target's layers or hidden
+            states (layerskip, early-exit, medusa, eagle), torch otherwise. ``stats.backend``
+            says which one ran.
+        compile: the torch fast path: a static KV cache and ``torch.compile``d decode and
+            verify steps (bfloat16 where the hardware has it, unless ``dtype`` says otherwise).
+        quantize: ``"int8"`` or ``"int4"`` weight-only quantization on the torch fast path.
     """
 
     def __init__(
@@ -95,8 +112,14 @@ class LLM:
         device: str | None = "cpu",
         dtype: str | torch.dtype | None = None,
         gguf_file: str | None = None,
+        backend: str | None = "auto",
+        compile: bool = False,
+        quantize: str | None = None,
     ) -> None:
-        self._loaded: LoadedModel = load_model(model, device=device, dtype=dtype, gguf_file=gguf_file)
+        if backend in (None, "auto") and _needs_torch(speculative_model):
+            backend = "torch"
+        self._loaded: LoadedModel = load_model(model, device=device, dtype=dtype, gguf_file=gguf_file,
+                                               backend=backend, compile=compile, quantize=quantize)
         self._device, self._dtype = device, dtype
         self.tokenizer = self._loaded.tokenizer
         self.target = self._loaded.backend
@@ -165,8 +188,12 @@ class LLM:
     def _load_draft_model(self, spec: str, p_min: float, tree: TreeShape | None = None) -> DraftModelDrafter:
         if resolve_model_path(spec) == self._loaded.path:  # self-drafting: share the weights
             backend = self.target.fork()
+        elif self.backend_name == "llamacpp":  # a GGUF draft runs on llama.cpp too
+            draft = load_model(spec, device=self._device, dtype=self._dtype, backend="auto")
+            check_vocab_compatible(self.tokenizer, draft.tokenizer)
+            backend = draft.backend
         else:
-            draft = load_model(spec, device=self._device, dtype=self._dtype or self.target.dtype)
+            draft = load_model(spec, device=self._device, dtype=self._dtype or self.target.dtype, backend="torch")
             check_vocab_compatible(self.tokenizer, draft.tokenizer)
             backend = draft.backend
         return DraftModelDrafter(backend, self.target.vocab_size, p_min=p_min, tree=tree)
@@ -214,7 +241,7 @@ class LLM:
         prompt_ids = torch.tensor(self.encode(prompt), dtype=torch.long)
         spec = speculative if isinstance(speculative, Speculation) else (
             self.speculation if speculative else None)
-        stats = RequestStats(drafter=spec.name if spec is not None else "none")
+        stats = RequestStats(drafter=spec.name if spec is not None else "none", backend=self.backend_name)
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         steps = generate_tokens(
             self.target, prompt_ids, params,
@@ -263,6 +290,11 @@ class LLM:
         if isinstance(messages, str):
             raise SpeclmError("chat() takes a list of messages; use generate() for plain text")
         return self._collect(messages, params, speculative)
+
+    @property
+    def backend_name(self) -> str:
+        """Which backend runs the target: ``torch``, ``torch-compiled...`` or ``llamacpp``."""
+        return getattr(self.target, "backend_name", "torch")
 
     @property
     def drafter(self) -> Drafter | None:

@@ -60,8 +60,22 @@ def add_target_flags(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return g
 
 
+def add_backend_flags(g: argparse._ArgumentGroup) -> None:
+    """--backend, --compile, --quantize (generate, chat and bench)."""
+    g.add_argument("--backend", choices=["auto", "torch", "llamacpp"], default="auto",
+                   help="what runs the model: torch (transformers), llamacpp (a GGUF file through "
+                        "llama.cpp; pip install 'speclm[llamacpp]') or auto: llama.cpp for a GGUF "
+                        "model on the CPU when installed and nothing needs torch (default: %(default)s)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch fast path: static KV cache, torch.compile'd decode/verify steps, "
+                        "bfloat16 where the hardware has it unless --dtype says otherwise; the "
+                        "first request pays the compile (one time)")
+    g.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                   help="weight-only quantization of the linear layers on the torch fast path")
+
+
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    add_target_flags(p)
+    add_backend_flags(add_target_flags(p))
     d = p.add_argument_group("speculative decoding")
     which = d.add_mutually_exclusive_group()
     which.add_argument("--ngram", action="store_true",
@@ -177,7 +191,8 @@ def _make_llm(args: argparse.Namespace):
     return LLM(args.model, spec, k, draft_min=args.draft_min, draft_p_min=args.draft_p_min,
                adaptive_draft=args.adaptive, async_draft=args.async_draft, async_fanout=args.fanout,
                ngram_min=args.ngram_min, ngram_max=args.ngram_max,
-               device=args.device, dtype=args.dtype, gguf_file=args.gguf_file)
+               device=args.device, dtype=args.dtype, gguf_file=args.gguf_file,
+               backend=args.backend, compile=args.compile, quantize=args.quantize)
 
 
 def _read_prompt(args: argparse.Namespace) -> str:

@@ -20,6 +20,7 @@ class RequestStats:
     target_time_s: float = 0.0  # decode-time target forwards + verification
     total_time_s: float = 0.0
     drafter: str = "none"
+    backend: str = "torch"  # what ran the target: torch, torch-compiled..., llamacpp
     drafter_report: dict | None = None  # the drafter's own account of the request (see
     #   drafters/base.py): e.g. which drafter ``auto`` chose, when and why, with measured rates
 
@@ -72,7 +73,7 @@ class RequestStats:
     def summary(self) -> str:
         """A few human-readable lines."""
         lines = [
-            f"drafter {self.drafter}: {self.generated_tokens} tokens in {self.total_time_s:.2f} s "
+            f"drafter {self.drafter} on {self.backend}: {self.generated_tokens} tokens in {self.total_time_s:.2f} s "
             f"({self.tokens_per_s:.1f} tok/s), prompt {self.prompt_tokens} tokens "
             f"(prefill {self.prefill_time_s:.2f} s)",
             f"target forwards {self.target_forwards}, tau {self.tau:.2f} tokens/forward; "

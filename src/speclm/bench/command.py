@@ -60,6 +60,13 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                    help="target: default, an HF folder, a .gguf file, or random:PRESET (default: %(default)s)")
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, float64 or auto")
+    g.add_argument("--gguf-file", help="GGUF file name inside --model when it is a folder")
+    from ..cli import add_backend_flags
+
+    add_backend_flags(g)
+    bench.add_argument("--baseline", metavar="METHOD",
+                       help="the method the 'vs baseline' column divides by (default: the first plain); "
+                            "e.g. llamacpp (llama.cpp's own plain decoding) or hf")
     return bench
 
 
@@ -85,6 +92,8 @@ def method_specs(args: argparse.Namespace) -> list[MethodSpec]:
     short = [s.short_label() for s in specs]
     if len(set(short)) == len(specs):  # row names in tables and plots, unless that makes twins
         specs = [dataclasses.replace(s, label=label) for s, label in zip(specs, short)]
+    if getattr(args, "baseline", None) is not None and args.baseline not in {s.label for s in specs} | {"plain"}:
+        raise SpeclmError(f"--baseline {args.baseline!r} is not one of the methods")
     if args.temperature > 0 and any(s.name == "oracle" for s in specs):
         raise SpeclmError("the oracle method replays greedy output: use it with --temperature 0")
     return specs
@@ -110,13 +119,18 @@ def run(args: argparse.Namespace) -> int:
     from .report import drafter_notes, markdown, mismatches, summarize_all, write_outputs
     from .runner import run_bench
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
-    results = run_bench(llm, specs, prompts, params, warmup=not args.no_warmup)
+    from .runner import EnginePool
+
+    pool = EnginePool(args.model, args.device, (args.backend, int(args.compile), args.quantize, args.dtype),
+                      args.gguf_file)
+    llm = pool.get()
+    results = run_bench(pool, specs, prompts, params, warmup=not args.no_warmup, baseline=args.baseline)
     summary = summarize_all(results, specs)
     mode = "greedy" if params.greedy else f"temperature {params.temperature}"
     header = (f"speclm bench: {len(prompts)} prompts ({', '.join(sorted({p['category'] for p in prompts}))}), "
               f"{sum(len(p['turns']) for p in prompts)} turns, {mode}, max {params.max_tokens} new tokens, "
-              f"model {args.model} ({str(llm.target.dtype).removeprefix('torch.')} on {llm.target.device}). "
+              f"model {args.model} ({llm.backend_name}, {str(llm.target.dtype).removeprefix('torch.')} on "
+              f"{llm.target.device}). "
               "Medians over requests; tok/s includes prefill.")
     table = markdown(summary, header, specs, drafter_notes(results))
     print(table)
@@ -128,7 +142,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"FAILED: {r['method']} on question {r['prompt_id']} turn {r['turn']}: {r['error']}")
     if out_dir is not None:
         meta = dict(command=["speclm", *args.argv], params={k: v for k, v in vars(args).items() if k != "argv"},
-                    model_path=str(llm.model_path), device=str(llm.target.device), dtype=str(llm.target.dtype))
+                    model_path=str(llm.model_path), device=str(llm.target.device), dtype=str(llm.target.dtype),
+                    backend=llm.backend_name)
         for path in write_outputs(out_dir, results, summary, table, meta):
             print(f"wrote {path}", file=sys.stderr)
     # a greedy mismatch beyond rounding is a bug: make it fail the command

@@ -11,6 +11,12 @@
     hf-lookup[:k=10]                 generate(prompt_lookup_num_tokens=k)
     hf-assisted:path=PATH[,k=5]      generate(assistant_model=...)
     hf-early-exit[:layers=N]         generate(assistant_early_exit=N) (default: a third of layers)
+    llamacpp                         llama.cpp's own plain decoding (greedy sampler in C)
+    llamacpp-lookup[:k=10,ngram=2]   llama-cpp-python's own prompt lookup (LlamaPromptLookupDecoding)
+
+plain, the drafters and oracle also take engine options, so one run compares backends:
+backend=torch|llamacpp|auto, compile=1, quantize=int8|int4, dtype=bfloat16 (default: the
+command's --backend/--compile/--quantize/--dtype).
 """
 
 from __future__ import annotations
@@ -22,18 +28,24 @@ from ..drafters.registry import KINDS
 from ..errors import SpeclmError
 from ..specs import REQUIRED, OptionString, parse_options
 
+# which backend runs a speclm method (None: the command's own flag)
+ENGINE_OPTIONS = {"backend": (str, None), "compile": (int, None), "quantize": (str, None),
+                  "dtype": (str, None)}
 # name -> {option: (type, default)}
 _SCHEMA: dict[str, dict[str, tuple[type, object]]] = {
-    "plain": {},
-    **{name: {**kind.options, "k": (int, kind.default_k), "adaptive": (int, 0)}
+    "plain": {**ENGINE_OPTIONS},
+    **{name: {**kind.options, "k": (int, kind.default_k), "adaptive": (int, 0), **ENGINE_OPTIONS}
        for name, kind in KINDS.items()},
-    "oracle": {"a": (float, REQUIRED), "k": (int, 4), "seed": (int, 0)},
+    "oracle": {"a": (float, REQUIRED), "k": (int, 4), "seed": (int, 0), **ENGINE_OPTIONS},
     "hf": {},
     "hf-lookup": {"k": (int, 10)},
     "hf-assisted": {"path": (str, REQUIRED), "k": (int, 5)},
     "hf-early-exit": {"layers": (int, 0), "k": (int, 5)},
+    "llamacpp": {},
+    "llamacpp-lookup": {"k": (int, 10), "ngram": (int, 2)},
 }
-_BENCH_ONLY = ("k", "adaptive")  # options of the run, not of the drafter
+PEERS = ("hf", "hf-lookup", "hf-assisted", "hf-early-exit", "llamacpp", "llamacpp-lookup")
+_BENCH_ONLY = ("k", "adaptive", *ENGINE_OPTIONS)  # options of the run, not of the drafter
 
 
 @dataclass(frozen=True)
@@ -44,8 +56,14 @@ class MethodSpec:
 
     @property
     def is_peer(self) -> bool:
-        """Run by transformers' own generate(), not by speclm's engine."""
-        return self.name.startswith("hf")
+        """Run by transformers' or llama.cpp's own generation, not by speclm's engine."""
+        return self.name in PEERS
+
+    def engine(self, defaults: tuple) -> tuple:
+        """(backend, compile, quantize, dtype) this method runs on: its own engine options over
+        the command's ``defaults``. Peers run on their own (see bench/runner.py)."""
+        return tuple(default if self.options.get(key) is None else self.options[key]
+                     for key, default in zip(ENGINE_OPTIONS, defaults))
 
     @property
     def k(self) -> int:
@@ -88,6 +106,12 @@ def parse_method(text: str) -> MethodSpec:
             KINDS[name].check({k: v for k, v in options.items() if k not in _BENCH_ONLY})
         except SpeclmError as exc:
             raise SpeclmError(f"method spec {text!r}: {exc}") from None
+    if options.get("backend") not in (None, "auto", "torch", "llamacpp"):
+        raise SpeclmError(f"method spec {text!r}: backend must be auto, torch or llamacpp")
+    if options.get("quantize") not in (None, "int8", "int4"):
+        raise SpeclmError(f"method spec {text!r}: quantize must be int8 or int4")
+    if name == "llamacpp-lookup" and options["ngram"] < 1:
+        raise SpeclmError(f"method spec {text!r}: ngram must be >= 1")
     if name == "hf-assisted" and options["path"] != "default" and not Path(options["path"]).expanduser().exists():
         raise SpeclmError(f"method spec {text!r}: model path {options['path']!r} does not exist")
     return MethodSpec(parsed.label, name, options)

@@ -55,6 +55,8 @@ def summarize(rows: list[dict], plain_step_s: float | None, plain_rows: list[dic
         tok_s=statistics.median(r["tok_s"] for r in ok),
         speedup=statistics.median(r["speedup"] for r in ok if r["speedup"] is not None)
         if any(r["speedup"] is not None for r in ok) else None,
+        vs_baseline=statistics.median(r["vs_baseline"] for r in ok if r.get("vs_baseline") is not None)
+        if any(r.get("vs_baseline") is not None for r in ok) else None,
         identical=sum(1 for r in ok if r["identical"]),
         checked=sum(1 for r in ok if r["identical"] is not None),
     )

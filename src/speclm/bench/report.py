@@ -13,28 +13,32 @@ from .metrics import leviathan_bound, summarize
 from .plots import plot
 
 
-def _plain_step_s(rows: list[dict]) -> float | None:
+def _plain_step_s(rows: list[dict], plain: str = "plain") -> float | None:
     """Target time per forward in plain decoding: the unit of the draft cost ratio c."""
-    plain = [r for r in rows if r["method"] == "plain" and r.get("forwards")]
-    if not plain:
+    plain_rows = [r for r in rows if r["method"] == plain and r.get("forwards")]
+    if not plain_rows:
         return None
-    return sum(r["target_s"] for r in plain) / sum(r["forwards"] for r in plain)
+    return sum(r["target_s"] for r in plain_rows) / sum(r["forwards"] for r in plain_rows)
 
 
 def summarize_all(rows: list[dict], specs: list[MethodSpec]) -> dict:
-    """{method: {category | "all": figures}}, plus the bound and efficiency where they apply."""
-    step = _plain_step_s(rows)
-    labels = ["plain"] + [s.label for s in specs if s.label != "plain"]
+    """{method: {category | "all": figures}}, plus the bound and efficiency where they apply.
+    Each method is measured against plain decoding on its own engine (the rows' ``reference``)."""
+    labels = list(dict.fromkeys([r["method"] for r in rows if r["method"] == r.get("reference", "plain")]
+                                + [s.label for s in specs]))
+    reference = {r["method"]: r.get("reference", "plain") for r in rows}
     cats = sorted({r["category"] for r in rows}) + ["all"]
     k_of = {s.label: s.k for s in specs}
     out: dict = {}
     for label in labels:
         out[label] = {}
+        ref = reference.get(label, "plain")
+        step = _plain_step_s(rows, ref)
         for cat in cats:
             subset = [r for r in rows if r["method"] == label and cat in ("all", r["category"])]
             if not subset:
                 continue
-            plain_rows = [r for r in rows if r["method"] == "plain" and cat in ("all", r["category"])]
+            plain_rows = [r for r in rows if r["method"] == ref and cat in ("all", r["category"])]
             fig = summarize(subset, step, plain_rows)
             if "alpha_iid" in fig and k_of.get(label) and "c" in fig:
                 fig["k"] = k_of[label]
@@ -86,7 +90,7 @@ def drafter_notes(rows: list[dict]) -> list[str]:
 
 _COLUMNS = [  # (header, key, format)
     ("requests", "requests", "{}"), ("median tok/s", "tok_s", "{:.1f}"),
-    ("median speedup", "speedup", "{:.2f}x"), ("decode speedup", "decode_speedup", "{:.2f}x"),
+    ("vs baseline", "vs_baseline", "{:.2f}x"), ("median speedup", "speedup", "{:.2f}x"), ("decode speedup", "decode_speedup", "{:.2f}x"),
     ("alpha", "alpha", "{:.2f}"), ("alpha/token", "alpha_iid", "{:.2f}"), ("tau", "tau", "{:.2f}"),
     ("c", "c", "{:.3f}"), ("v", "v", "{:.2f}"), ("bound", "bound", "{:.2f}x"),
     ("efficiency", "efficiency", "{:.0%}"), ("bound (v)", "bound_v", "{:.2f}x"),
@@ -97,8 +101,10 @@ _ORACLE_COLUMNS = [("alpha/token", "alpha_iid", "{:.2f}"), ("tau", "tau", "{:.2f
                    ("bound", "bound", "{:.2f}x"), ("efficiency", "efficiency", "{:.0%}"),
                    ("bound (v)", "bound_v", "{:.2f}x"), ("efficiency (v)", "efficiency_v", "{:.0%}")]
 LEGEND = (
-    "Columns: median speedup = median over requests of tok/s ÷ plain's tok/s on the same request, "
-    "prefill included; decode speedup = pooled decode tokens/s ÷ plain's, prefill excluded "
+    "Columns: vs baseline = median over requests of tok/s ÷ the baseline method's tok/s on the "
+    "same request (--baseline; default the first plain); median speedup = the same ÷ plain "
+    "decoding on the method's own engine (backend, compile, quantize, dtype), prefill included; "
+    "c, v, the bounds and identity are against that plain too; decode speedup = pooled decode tokens/s ÷ plain's, prefill excluded "
     "(speclm methods only); alpha = accepted ÷ drafted; alpha/token = P(accept | reached), the "
     "i.i.d. rate the bound assumes; tau = tokens per target forward; c = draft time per token ÷ "
     "plain's time per step; v = target time per speculative forward ÷ plain's time per step; "

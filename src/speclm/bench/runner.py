@@ -24,12 +24,69 @@ from .oracle import OracleDrafter
 from .peers import HFPeer
 
 
-def build_setups(llm: LLM, specs: list[MethodSpec]) -> dict[str, object]:
-    """label -> a Speculation (speclm methods), False (plain), an HFPeer, or the error string of
+class EnginePool:
+    """One :class:`LLM` per engine (backend, compile, quantize, dtype) the methods ask for,
+    loaded on first use; every engine reads the same model with the same tokenizer."""
+
+    def __init__(self, model: str, device: str, defaults: tuple, gguf_file: str | None = None) -> None:
+        self.model, self.device, self.gguf_file = model, device, gguf_file
+        self.defaults = self._normal(defaults)
+        self._llms: dict[tuple, LLM] = {}
+
+    @classmethod
+    def around(cls, llm: LLM) -> EnginePool:
+        """A pool whose default engine is an already loaded (eager torch) LLM."""
+        pool = cls(str(llm.model_path), str(llm.target.device), ("torch", 0, None, None))
+        pool._llms[pool.defaults] = llm
+        return pool
+
+    def _normal(self, engine: tuple) -> tuple:
+        """Fill in what ``auto`` and the unset options mean, so equal engines share one LLM."""
+        from ..models.loading import choose_backend, find_gguf, resolve_device
+        from ..models.random_init import is_random
+
+        backend, compile_, quantize, dtype = engine
+        compile_, dtype = int(compile_ or 0), (None if dtype in (None, "auto") else str(dtype))
+        if backend in (None, "auto"):
+            gguf = None if is_random(self.model) else find_gguf(self.model, self.gguf_file)
+            backend = choose_backend("auto", gguf, resolve_device(self.device), dtype_given=dtype is not None,
+                                     fast=bool(compile_ or quantize))
+        return (backend, compile_, quantize, dtype)
+
+    def get(self, engine: tuple | None = None) -> LLM:
+        engine = self.defaults if engine is None else engine
+        if engine not in self._llms:
+            backend, compile_, quantize, dtype = engine
+            self._llms[engine] = LLM(self.model, device=self.device, dtype=dtype, gguf_file=self.gguf_file,
+                                     backend=backend, compile=bool(compile_), quantize=quantize)
+        return self._llms[engine]
+
+    def engine_of(self, spec: MethodSpec) -> tuple:
+        """The engine a method runs on; peers: transformers' peers on eager torch, llama.cpp's
+        on their own llama.cpp (keyed by that backend, so they pair with its plain row)."""
+        if spec.name.startswith("llamacpp"):
+            return ("llamacpp", 0, None, None)
+        if spec.is_peer:
+            return ("torch", 0, None, self.defaults[3])
+        return self._normal(spec.engine(self.defaults))
+
+    def gguf(self):
+        from ..models.loading import find_gguf
+
+        path = find_gguf(self.model, self.gguf_file)
+        if path is None:
+            raise SpeclmError("llama.cpp peers need a GGUF model")
+        return path
+
+
+def build_setups(pool: EnginePool, specs: list[MethodSpec]) -> dict[str, object]:
+    """label -> a Speculation (speclm methods), False (plain), a peer, or the error string of
     a peer that could not be set up (reported on every row, not fatal)."""
     setups: dict[str, object] = {}
     for spec in specs:
         o = spec.options
+        if spec.name in ("plain", "oracle") or spec.drafter is not None:
+            llm = pool.get(pool.engine_of(spec))
         if spec.name == "plain":
             setups[spec.label] = False
         elif spec.drafter is not None:
@@ -39,14 +96,20 @@ def build_setups(llm: LLM, specs: list[MethodSpec]) -> dict[str, object]:
             setups[spec.label] = Speculation(drafter, DraftLengthConfig(o["k"]), spec.label)
         else:
             try:
-                setups[spec.label] = HFPeer(spec, llm)
+                if spec.name.startswith("llamacpp"):
+                    from .llamacpp_peers import LlamaCppLookupPeer, LlamaCppPlainPeer
+
+                    peer = LlamaCppPlainPeer if spec.name == "llamacpp" else LlamaCppLookupPeer
+                    setups[spec.label] = peer(spec, pool.gguf(), pool.get().target.eos_token_ids)
+                else:
+                    setups[spec.label] = HFPeer(spec, pool.get(pool.engine_of(spec)))
             except Exception as exc:
                 setups[spec.label] = f"setup failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     return setups
 
 
 def _run_one(llm: LLM, setup, messages: list[dict], params: SamplingParams) -> dict:
-    if isinstance(setup, HFPeer):
+    if _is_peer(setup):
         prompt_ids = llm.encode(messages)
         ids, elapsed = setup.run(prompt_ids, params)
         text = llm.tokenizer.decode(ids, skip_special_tokens=True)
@@ -69,6 +132,10 @@ def _run_one(llm: LLM, setup, messages: list[dict], params: SamplingParams) -> d
     return row
 
 
+def _is_peer(setup) -> bool:
+    return hasattr(setup, "run") and hasattr(setup, "spec")
+
+
 # logit gaps below these are within what a one-token and a multi-token forward can round apart
 _TIE_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-2, torch.bfloat16: 0.5, torch.float16: 0.1}
 
@@ -87,33 +154,53 @@ def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids:
     logits = target.forward(prefix, 0).logits[-1].double()  # [V]
     target.reset()
     margin = float(logits[plain_ids[at]] - logits[ids[at]])
-    tolerance = _TIE_TOLERANCE.get(getattr(target, "dtype", torch.float32), 1e-2)
-    verdict = (f"numerical near-tie (logit gap {margin:.2g} in {str(target.dtype).removeprefix('torch.')})"
+    tolerance = getattr(target, "tie_tolerance", None) or _TIE_TOLERANCE.get(getattr(target, "dtype", torch.float32), 1e-2)
+    numerics = getattr(target, "numerics", None) or str(target.dtype).removeprefix("torch.")
+    verdict = (f"numerical near-tie (logit gap {margin:.2g} in {numerics})"
                if abs(margin) <= tolerance else f"BUG: the target prefers plain's token by {margin:.3g} logits")
     return dict(position=at, margin=margin, verdict=verdict)
 
 
 def run_bench(
-    llm: LLM,
+    pool: EnginePool | LLM,
     specs: list[MethodSpec],
     prompts: list[dict],
     params: SamplingParams,
     *,
     warmup: bool = True,
     progress: bool = True,
+    baseline: str | None = None,
     log: Callable[[str], None] = lambda msg: print(msg, file=sys.stderr),
 ) -> list[dict]:
+    """Rows of every (prompt, turn, method). Each row's ``speedup`` and identity check are
+    against plain decoding on the same engine (``reference``); ``vs_baseline`` compares its
+    tok/s with the ``baseline`` method's on the same request (default: the first plain)."""
+    if isinstance(pool, LLM):
+        pool = EnginePool.around(pool)
     if not any(s.name == "plain" for s in specs):
         specs = [MethodSpec("plain", "plain", {})] + specs
-    setups = build_setups(llm, specs)
-    plain_label = next(s.label for s in specs if s.name == "plain")
-    others = [s.label for s in specs if s.label != plain_label]
+    setups = build_setups(pool, specs)
+    engine = {s.label: pool.engine_of(s) for s in specs}
+    plains = {}  # engine -> the label of its plain method (the first one given)
+    for s in specs:
+        if s.name == "plain":
+            plains.setdefault(engine[s.label], s.label)
+    first_plain = next(s.label for s in specs if s.name == "plain")
+    reference = {s.label: plains.get(engine[s.label], first_plain) for s in specs}
+    baseline = baseline or first_plain
+    if baseline not in reference:
+        raise SpeclmError(f"--baseline {baseline!r} is not one of the methods")
+    # plain methods first (in order), then the rest rotating from prompt to prompt
+    plain_labels = [s.label for s in specs if s.name == "plain"]
+    others = [s.label for s in specs if s.name != "plain"]
+    llm_of = {label: (pool.get(engine[label]) if not _is_peer(setups[label]) and not isinstance(setups[label], str)
+                      else pool.get()) for label in setups}
     if warmup:
         short = SamplingParams(max_tokens=8, temperature=params.temperature, seed=params.seed)
         for label, setup in setups.items():
             if not isinstance(setup, str) and not isinstance(getattr(setup, "drafter", None), OracleDrafter):
                 try:
-                    _run_one(llm, setup, [{"role": "user", "content": "Say hello."}], short)
+                    _run_one(llm_of[label], setup, [{"role": "user", "content": "Say hello."}], short)
                 except Exception as exc:  # reported again, per request, in the results
                     log(f"warm-up of {label} failed: {exc}")
     rows: list[dict] = []
@@ -124,40 +211,48 @@ def run_bench(
         history = {label: [] for label in setups}
         failed: dict[str, str] = {}  # a failed turn ends that method's conversation
         for turn, text in enumerate(prompt["turns"]):
-            plain_row = None
-            for label in [plain_label] + order:
-                setup = setups[label]
+            done: dict[str, dict] = {}
+            for label in plain_labels + order:
+                setup, llm = setups[label], llm_of[label]
+                ref_row = done.get(reference[label])
                 messages = history[label] + [{"role": "user", "content": text}]
                 try:
                     if isinstance(setup, str):
                         raise SpeclmError(setup)
                     if label in failed:
                         raise SpeclmError(f"skipped: turn {failed[label]} failed")
-                    if plain_row is not None and plain_row.get("error"):
-                        raise SpeclmError(f"plain decoding failed: {plain_row['error']}")
+                    if ref_row is not None and ref_row.get("error"):
+                        raise SpeclmError(f"plain decoding failed: {ref_row['error']}")
                     if isinstance(getattr(setup, "drafter", None), OracleDrafter):
-                        setup.drafter.set_continuation(len(llm.encode(messages)), plain_row["token_ids"])
+                        setup.drafter.set_continuation(len(llm.encode(messages)), ref_row["token_ids"])
                     row = _run_one(llm, setup, messages, params)
                 except Exception as exc:
                     # a user-level problem (a prompt longer than the context) or a peer's failure
                     # is recorded; anything else in speclm's own methods is a bug and propagates
-                    if not isinstance(setup, HFPeer) and not isinstance(exc, SpeclmError):
+                    if not _is_peer(setup) and not isinstance(exc, SpeclmError):
                         raise
                     row = dict(error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
                     failed.setdefault(label, str(turn))
-                row.update(prompt_id=prompt["id"], category=prompt["category"], turn=turn, method=label)
+                row.update(prompt_id=prompt["id"], category=prompt["category"], turn=turn, method=label,
+                           reference=reference[label])
                 if isinstance(getattr(setup, "drafter", None), OracleDrafter):
                     row["oracle_diverged"] = setup.drafter.diverged
-                if label == plain_label:
-                    plain_row = row
+                done[label] = row
                 if row.get("error") is None:
-                    row["speedup"] = row["tok_s"] / plain_row["tok_s"] if plain_row["tok_s"] else None
-                    row["identical"] = (row["token_ids"] == plain_row["token_ids"]) if params.greedy else None
+                    ref_row = ref_row or row
+                    row["speedup"] = row["tok_s"] / ref_row["tok_s"] if ref_row.get("tok_s") else None
+                    # greedy identity holds within one engine; across kernels only up to ties
+                    same = engine[reference[label]] == engine[label]
+                    row["identical"] = (row["token_ids"] == ref_row["token_ids"]) if params.greedy and same else None
                     if row["identical"] is False:
-                        row["mismatch"] = diagnose_mismatch(llm, messages, plain_row["token_ids"],
+                        row["mismatch"] = diagnose_mismatch(llm, messages, ref_row["token_ids"],
                                                             row["token_ids"])
                     history[label] = messages + [{"role": "assistant", "content": row["text"]}]
                 rows.append(row)
+            base = done.get(baseline)
+            for label, row in done.items():
+                if row.get("error") is None and base is not None and base.get("tok_s"):
+                    row["vs_baseline"] = row["tok_s"] / base["tok_s"]
             bar.update(1)
     bar.close()
     return rows

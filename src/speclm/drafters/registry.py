@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import SpeclmError
+from ..models.base import CausalLM
 from ..models.hf import HFCausalLM
 from ..specs import REQUIRED, NameList, OptionString, IntList, Schema, parse_options
 from .base import Drafter
@@ -37,7 +38,7 @@ from .base import Drafter
 class BuildContext:
     """What a drafter factory may use: the loaded target and how to load draft models."""
 
-    target: HFCausalLM
+    target: CausalLM  # any backend; drafters with ``needs`` check it (runs_on)
     tokenizer: object
     model_path: Path | None  # the target's folder (per-model caches are keyed by it)
     load_draft: Callable[..., Drafter]  # (model spec, p_min, tree shape) -> a draft-model drafter
@@ -53,6 +54,8 @@ class DrafterKind:
     build: Callable[[BuildContext, dict], Drafter]
     check: Callable[[dict], None] = lambda options: None  # extra validation, before any loading
     label: Callable[[dict], str] | None = None  # the name in stats (default: the text as given)
+    needs: str | None = None  # "layers": runs the target's own layers (eager torch backend);
+    #                           "hidden": reads the target's hidden states (torch backends)
 
 
 def _check_ngram(o: dict) -> None:
@@ -174,7 +177,7 @@ def auto_candidates(ctx: BuildContext) -> tuple[str, ...]:
         from ..distill import find_distilled
         from .layer_search import cache_file, load_choice
 
-        if load_choice(cache_file(ctx.model_path, ctx.target)) is not None:
+        if runs_on(KINDS["layerskip"], ctx.target) and load_choice(cache_file(ctx.model_path, ctx.target)):
             names.append("layerskip")
         if find_distilled(ctx.model_path) is not None:
             names.append("distilled")
@@ -217,9 +220,10 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
                 {"topk": (int, 8)}, 2, _recycle),
     DrafterKind("layerskip", "the target minus some layers (searched per model unless skip= given)",
                 {"skip": (IntList(), None), "refresh": (int, 0), "p_min": (float, 0.0)}, 3,
-                _layerskip, _check_p_min),
+                _layerskip, _check_p_min, needs="layers"),
     DrafterKind("early-exit", "the target's first N layers (default: a third), norm and LM head",
-                {"layers": (int, 0), "p_min": (float, 0.0)}, 3, _early_exit, _check_p_min),
+                {"layers": (int, 0), "p_min": (float, 0.0)}, 3, _early_exit, _check_p_min,
+                needs="layers"),
     DrafterKind("draft", "a smaller model sharing the target's tokenizer (tree=N: a token tree)",
                 {"path": (str, REQUIRED), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16),
                  **_ASYNC}, 5, _draft, _check_p_min),
@@ -227,9 +231,10 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
                 {"path": (str, None), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16),
                  **_ASYNC}, 5, _distilled, _check_p_min),
     DrafterKind("medusa", "Medusa heads made by `speclm train-drafter` (a static token tree)",
-                {"path": (str, REQUIRED)}, 4, _medusa, _check_learned),
+                {"path": (str, REQUIRED)}, 4, _medusa, _check_learned, needs="hidden"),
     DrafterKind("eagle", "an EAGLE head made by `speclm train-drafter` (a dynamic token tree)",
-                {"path": (str, REQUIRED), "tree": (int, 4), "budget": (int, 16)}, 5, _eagle, _check_learned),
+                {"path": (str, REQUIRED), "tree": (int, 4), "budget": (int, 16)}, 5, _eagle, _check_learned,
+                needs="hidden"),
     DrafterKind("auto", "measure candidates on the live requests and keep the fastest",
                 {"candidates": (NameList(), None), "probe": (int, 6), "every": (int, 256)}, 10,
                 _auto, _check_auto),
@@ -258,5 +263,20 @@ def drafter_label(spec: OptionString) -> str:
     return label(spec.options) if label is not None else spec.label
 
 
+def runs_on(kind: DrafterKind, target) -> bool:
+    """Whether ``target``'s backend gives what the drafter needs (see ``DrafterKind.needs``)."""
+    if kind.needs == "layers":
+        return isinstance(target, HFCausalLM)
+    if kind.needs == "hidden":
+        return getattr(target, "returns_hidden", True)
+    return True
+
+
 def build_drafter(spec: OptionString, ctx: BuildContext) -> Drafter:
-    return KINDS[spec.name].build(ctx, spec.options)
+    kind = KINDS[spec.name]
+    if not runs_on(kind, ctx.target):
+        what = "the target's own layers" if kind.needs == "layers" else "the target's hidden states"
+        raise SpeclmError(f"{spec.name} uses {what}, which the {getattr(ctx.target, 'backend_name', '?')} "
+                          "backend does not give; run it with --backend torch"
+                          + (" (without --compile/--quantize)" if kind.needs == "layers" else ""))
+    return kind.build(ctx, spec.options)

@@ -21,6 +21,8 @@ from .kv_cache import KVCache, supports_trees
 class HFCausalLM:
     """A transformers causal LM behind the :class:`~speclm.models.base.CausalLM` interface."""
 
+    backend_name = "torch"
+
     def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device

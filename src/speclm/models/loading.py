@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpeclmError
+from .base import CausalLM
 from .hf import HFCausalLM
 from .random_init import is_random, random_model
 
@@ -36,7 +37,7 @@ _DTYPES = {
 
 @dataclass
 class LoadedModel:
-    backend: HFCausalLM
+    backend: CausalLM  # HFCausalLM, the compiled fast path or LlamaCppLM
     tokenizer: object  # a transformers tokenizer
     name: str  # what the user asked for, for messages and stats
     path: Path  # the folder the weights were loaded from
@@ -137,8 +138,8 @@ def _first_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def resolve_model_path(model: str | None, gguf_file: str | None = None) -> Path:
-    """Map a model argument to an HF folder on disk, converting GGUF files on first use."""
+def find_gguf(model: str | None, gguf_file: str | None = None) -> Path | None:
+    """The GGUF file a model argument names, or None when it is an HF folder."""
     if model is None or model == DEFAULT_MODEL:
         gguf = _default_gguf()
     else:
@@ -150,7 +151,7 @@ def resolve_model_path(model: str | None, gguf_file: str | None = None) -> Path:
         elif path.is_file():
             gguf = path
         elif (path / "config.json").is_file():
-            return path
+            return None
         else:
             found = sorted(path.glob("*.gguf"))
             if len(found) != 1:
@@ -164,10 +165,47 @@ def resolve_model_path(model: str | None, gguf_file: str | None = None) -> Path:
     with open(gguf, "rb") as fh:
         if fh.read(4) != b"GGUF":
             raise SpeclmError(f"{str(gguf)!r} is not a GGUF file or a model folder")
+    return gguf
+
+
+def resolve_model_path(model: str | None, gguf_file: str | None = None) -> Path:
+    """Map a model argument to an HF folder on disk, converting GGUF files on first use."""
+    gguf = find_gguf(model, gguf_file)
+    if gguf is None:
+        return Path(model).expanduser()
     out = _gguf_cache_path(gguf)
     if not (out / "config.json").is_file():
         _convert_gguf(gguf, out)
     return out
+
+
+BACKENDS = ("auto", "torch", "llamacpp")
+
+
+def choose_backend(backend: str | None, gguf: Path | None, device: torch.device, *,
+                   dtype_given: bool, fast: bool) -> str:
+    """``auto``: llama.cpp for a GGUF file on the CPU when llama-cpp-python is installed and no
+    torch-only option (a dtype, compile, quantize) was asked for; torch otherwise."""
+    from .llamacpp import INSTALL_HINT, llama_cpp_available
+
+    name = (backend or "auto").lower()
+    if name not in BACKENDS:
+        raise SpeclmError(f"unknown backend {backend!r}; use {', '.join(BACKENDS)}")
+    if name == "auto":
+        usable = gguf is not None and device.type == "cpu" and not dtype_given and not fast
+        return "llamacpp" if usable and llama_cpp_available() else "torch"
+    if name == "llamacpp":
+        if gguf is None:
+            raise SpeclmError("the llama.cpp backend runs GGUF files; this model is an HF folder "
+                              "(use --backend torch)")
+        if device.type != "cpu":
+            raise SpeclmError("speclm runs llama.cpp on the CPU only; use --backend torch on CUDA")
+        if dtype_given or fast:
+            raise SpeclmError("--dtype, --compile and --quantize apply to the torch backend; "
+                              "llama.cpp keeps the GGUF file's own quantization")
+        if not llama_cpp_available():
+            raise SpeclmError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}")
+    return name
 
 
 def load_model(
@@ -176,19 +214,39 @@ def load_model(
     device: str | None = "cpu",
     dtype: str | torch.dtype | None = None,
     gguf_file: str | None = None,
+    backend: str | None = "torch",
+    compile: bool = False,
+    quantize: str | None = None,
 ) -> LoadedModel:
-    """Load a causal LM for speclm: ``"default"``, an HF folder, or a GGUF file."""
+    """Load a causal LM for speclm: ``"default"``, an HF folder, or a GGUF file.
+
+    ``backend``: ``torch`` (transformers, eager unless ``compile``), ``llamacpp`` (a GGUF file
+    through llama.cpp) or ``auto`` (see :func:`choose_backend`). ``compile`` and ``quantize``
+    (``int8``/``int4`` weight-only) select the torch backend's fast path (models/compiled.py).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dev = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, dev)
+    dtype_given = dtype is not None and dtype != "auto"
+    fast = bool(compile or quantize)
     if is_random(model):
-        return _load_random(model, dev, torch_dtype)
+        if choose_backend(backend, None, dev, dtype_given=dtype_given, fast=fast) != "torch":
+            raise SpeclmError("random models run on the torch backend only")
+        loaded = _load_random(model, dev, resolve_dtype(dtype, dev))
+        return _fast(loaded, dtype, compile, quantize) if fast else loaded
+    gguf = find_gguf(model, gguf_file)
+    chosen = choose_backend(backend, gguf, dev, dtype_given=dtype_given, fast=fast)
     path = resolve_model_path(model, gguf_file)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception as exc:
         raise SpeclmError(f"cannot load a tokenizer from {str(path)!r}: {_first_line(exc)}") from None
+    if chosen == "llamacpp":
+        from .llamacpp import LlamaCppLM, LlamaCppModel
+
+        eos = _eos_ids(_generation_eos(path), tokenizer)
+        return LoadedModel(LlamaCppLM(LlamaCppModel(gguf), eos), tokenizer, model or DEFAULT_MODEL, path)
+    torch_dtype = resolve_dtype(dtype, dev)
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()
@@ -201,17 +259,44 @@ def load_model(
         if bars:
             hf_logging.enable_progress_bar()
     hf_model.to(dev)
-    return LoadedModel(_backend(hf_model, tokenizer), tokenizer, model or DEFAULT_MODEL, path)
+    loaded = LoadedModel(_backend(hf_model, tokenizer), tokenizer, model or DEFAULT_MODEL, path)
+    return _fast(loaded, dtype, compile, quantize) if fast else loaded
 
 
-def _backend(hf_model, tokenizer) -> HFCausalLM:
+def _fast(loaded: LoadedModel, dtype, compile: bool, quantize: str | None) -> LoadedModel:
+    """The torch fast path over the eager backend's weights (models/compiled.py): a static KV
+    cache and compiled steps, in bfloat16 where the hardware has it unless ``dtype`` is given;
+    ``quantize`` implies it."""
+    from .compiled import make_compiled
+
+    eager = loaded.backend
+    want = "auto" if dtype is None or dtype == "auto" else resolve_dtype(dtype, eager.device)
+    loaded.backend = make_compiled(eager.model, eager.eos_token_ids, dtype=want, quantize=quantize,
+                                   inplace=True)
+    return loaded
+
+
+def _generation_eos(path: Path):
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path).eos_token_id
+    except Exception:  # no generation_config.json: the tokenizer's EOS is enough
+        return None
+
+
+def _eos_ids(generation_eos, tokenizer) -> frozenset[int]:
     eos = set()
-    for source in (hf_model.generation_config.eos_token_id, tokenizer.eos_token_id):
+    for source in (generation_eos, tokenizer.eos_token_id):
         if isinstance(source, int):
             eos.add(source)
         elif source:
             eos.update(source)
-    return HFCausalLM(hf_model, frozenset(eos))
+    return frozenset(eos)
+
+
+def _backend(hf_model, tokenizer) -> HFCausalLM:
+    return HFCausalLM(hf_model, _eos_ids(hf_model.generation_config.eos_token_id, tokenizer))
 
 
 def _load_random(model: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:

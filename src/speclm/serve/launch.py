@@ -122,7 +122,9 @@ def build_app(opts: ServeOptions):
     from .metrics import ServerMetrics
     from .worker import EngineWorker
 
-    llm = LLM(opts.model, None, device=opts.device, dtype=opts.dtype, gguf_file=opts.gguf_file)
+    # the batch engine steps many sequences through one transformers model: torch backend
+    llm = LLM(opts.model, None, device=opts.device, dtype=opts.dtype, gguf_file=opts.gguf_file,
+              backend="torch")
     factory, name = None, "none"
     if opts.speculative:  # one drafter per request: each keeps its own state
         factory = functools.partial(NgramDrafter, opts.ngram_min, opts.ngram_max)
