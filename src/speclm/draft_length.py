@@ -4,13 +4,15 @@ Fixed mode drafts ``draft_max`` every round. Adaptive mode picks the K that maxi
 tokens per second from measured quantities:
 
     E[tokens | K] = (1 - alpha^(K+1)) / (1 - alpha)       (Leviathan et al., i.i.d. acceptance)
-    cost(K)       = t_plain                      if K == 0
-                  = t_verify + K * t_draft       otherwise
+    cost(K)       = t_plain                                   if K == 0
+                  = t_plain + K * t_token + K * t_draft       otherwise
 
-alpha is an exponential moving average of the per-token acceptance rate; t_plain, t_verify and
-t_draft are moving averages of measured times. On a CPU a multi-token verify costs ~2x a
-one-token step (the reason K == 0 is an option), while on a GPU t_verify ~ t_plain. When K == 0
-wins, a draft is still tried every ``probe_every`` rounds so the estimate can recover.
+alpha is an exponential moving average of the per-token acceptance rate; t_plain, t_token (what
+each drafted token adds to a verify over a plain step) and t_draft are moving averages of
+measured times. On a GPU t_token ~ 0; on a CPU a verify grows with its width (llama.cpp's Q4
+kernels: each extra token ~0.3 of a plain step), which is why K == 0 is an option and why the
+cost is modelled per token rather than as one verify time. When K == 0 wins, a draft is still
+tried every ``probe_every`` rounds so the estimate can recover.
 
 ``draft_min`` follows llama.cpp: a draft shorter than it is not worth a verify and is dropped,
 but only when the draft is a function of the context (greedy drafting, prompt lookup). A sampled
@@ -50,9 +52,11 @@ class DraftLengthPolicy:
         self.config = config
         self.alpha = 0.6  # prior per-token acceptance
         self.t_plain: float | None = None
-        self.t_verify: float | None = None
+        self.t_verify: float | None = None  # seen at all: K may be chosen
+        self.t_token: float = 0.0  # a verify's time over a plain step, per drafted token
         self.t_draft: float = 0.0  # per drafted token
         self._plain_streak = 0
+        self._verified_k = 0  # K of the latest verify
 
     def next_k(self) -> int:
         cfg = self.config
@@ -62,7 +66,7 @@ class DraftLengthPolicy:
             return 0  # measure one plain step: the cost every draft must beat
         best_k, best_rate = 0, 1.0 / self.t_plain
         for k in range(max(cfg.draft_min, 1), cfg.draft_max + 1):
-            rate = expected_tokens(k, self.alpha) / (self.t_verify + k * self.t_draft)
+            rate = expected_tokens(k, self.alpha) / (self.t_plain + k * (self.t_token + self.t_draft))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
@@ -75,10 +79,15 @@ class DraftLengthPolicy:
     def update(self, drafted: int, accepted: int, draft_time: float, target_time: float) -> None:
         w = self._EMA
         if drafted == 0:
+            if self.t_plain is None and self.t_verify is not None:  # the verifies so far, per token
+                self.t_token = max(0.0, self.t_verify - target_time) / max(1, self._verified_k)
             self.t_plain = target_time if self.t_plain is None else (1 - w) * self.t_plain + w * target_time
             return
+        self._verified_k = drafted
         self._plain_streak = 0
         self.t_verify = target_time if self.t_verify is None else (1 - w) * self.t_verify + w * target_time
+        if self.t_plain is not None:
+            self.t_token = (1 - w) * self.t_token + w * max(0.0, target_time - self.t_plain) / drafted
         self.t_draft = (1 - w) * self.t_draft + w * draft_time / drafted
         self.alpha = update_acceptance(self.alpha, drafted, accepted, w)
 
