@@ -4,7 +4,7 @@ One decode step reads every weight once (a tied embedding is read once, as the L
 no engine can decode faster than (memory bandwidth) / (bytes of weights per forward). This
 measures the bandwidth (a streaming sum over a buffer far larger than the caches, with the same
 threads torch uses, median of several runs) and prints the floor for the default model as
-float32, bfloat16 and int8 weights in torch and as the GGUF file's own quantization in llama.cpp.
+float32, bfloat16, int8 and int4 weights in torch and as the GGUF file's own quantization in llama.cpp.
 
     python benchmarks/bandwidth.py [--gib 2] [--repeats 7]
 """
@@ -30,13 +30,13 @@ def read_bandwidth(gib: float, repeats: int) -> float:
     return statistics.median(rates)
 
 
-def torch_bytes(model: torch.nn.Module, bytes_per_weight: float, linear_only: float | None = None) -> float:
-    """Weights read per decode step: every parameter, the embedding once (tied LM head)."""
+def torch_bytes(model: torch.nn.Module, bytes_per_weight: float, matrices: float | None = None) -> float:
+    """Weights read per decode step: every parameter once (a tied embedding once, as the LM
+    head); ``matrices``: bytes per weight of the 2-D ones when quantized (models/quantize.py
+    quantizes every Linear, the LM head included; the embedding lookup reads one row)."""
     total = 0.0
-    for name, p in model.named_parameters():
-        per = bytes_per_weight
-        if linear_only is not None and p.dim() == 2 and "embed" not in name and "lm_head" not in name:
-            per = linear_only  # quantized linear layers (scales are a rounding error here)
+    for p in model.parameters():
+        per = matrices if matrices is not None and p.dim() == 2 else bytes_per_weight
         total += p.numel() * per
     return total
 
@@ -62,7 +62,8 @@ def main() -> None:
     rows = [
         ("torch float32", torch_bytes(model, 4)),
         ("torch bfloat16", torch_bytes(model, 2)),
-        ("torch int8 weight-only (embedding/LM head bf16)", torch_bytes(model, 2, linear_only=1)),
+        ("torch int8 weight-only (+ per-row scales)", torch_bytes(model, 2, matrices=1.0)),
+        ("torch int4 weight-only (+ a scale and zero per 128)", torch_bytes(model, 2, matrices=0.5 + 4 / 128)),
         ("llama.cpp, the GGUF file as shipped (Q4_1)", gguf_bytes(_default_gguf())),
     ]
     print(f"read bandwidth: {bw / 1e9:.1f} GB/s ({torch.get_num_threads()} threads, "

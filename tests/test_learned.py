@@ -17,7 +17,7 @@ from speclm.learned.checkpoint import DrafterConfig, TargetIdentity, save_weight
 from speclm.learned.data import hidden_features
 from speclm.learned.loader import load_learned_drafter
 from speclm.learned.modules import EagleHead, MedusaHeads
-from speclm.learned.train import EagleTrainer, MedusaTrainer, Sequence, _pad, _to_draft_ids
+from speclm.learned.train import EagleTrainer, MedusaTrainer, Sequence, _pad
 from speclm.sampling import SamplingParams, warp_probs
 from speclm.stats import RequestStats
 

@@ -115,7 +115,6 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise SpeclmError(f"cannot create output folder {args.out!r}: {exc.strerror}") from None
 
-    from ..api import LLM
     from .report import drafter_notes, markdown, mismatches, summarize_all, write_outputs
     from .runner import run_bench
 

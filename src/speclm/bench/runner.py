@@ -195,6 +195,13 @@ def run_bench(
     others = [s.label for s in specs if s.name != "plain"]
     llm_of = {label: (pool.get(engine[label]) if not _is_peer(setups[label]) and not isinstance(setups[label], str)
                       else pool.get()) for label in setups}
+    # the fast path compiles each verify width and cache size up front, not inside a request
+    encode = llm_of[plain_labels[0]].encode
+    longest = max((len(encode([{"role": "user", "content": "\n".join(p["turns"])}]))
+                   + (params.max_tokens + 16) * len(p["turns"]) for p in prompts), default=0)
+    for label, setup in setups.items():
+        if isinstance(setup, Speculation) or setup is False:
+            llm_of[label].warmup(setup or None, longest)
     if warmup:
         short = SamplingParams(max_tokens=8, temperature=params.temperature, seed=params.seed)
         for label, setup in setups.items():

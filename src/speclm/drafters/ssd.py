@@ -36,7 +36,7 @@ from ..errors import SpeclmError
 from ..sampling import sample_token, warp_probs
 from ..tree import TreeMeta
 from .base import Draft, DraftContext
-from .draft_model import DraftModelDrafter, draft_chain
+from .draft_model import DraftModelDrafter
 
 
 @dataclass

@@ -70,6 +70,19 @@ class BufferLayer(DynamicLayer):
     batch_select_indices = batch_repeat_interleave
 
 
+def check_append(held: int, start_pos: int) -> None:
+    """The cache contract of every backend: append only at the end of what is held."""
+    if start_pos != held:
+        raise CacheContractError(f"append at position {start_pos} but the cache holds {held} positions; "
+                                 "roll back explicitly before rewriting history")
+
+
+def check_rollback(held: int, length: int) -> None:
+    """... and roll back only to a length it holds."""
+    if not 0 <= length <= held:
+        raise CacheContractError(f"cannot roll back to {length}: cache holds {held}")
+
+
 def supports_trees(cache: DynamicCache) -> bool:
     """A tree mask replaces the model's own masks: only plain full-attention layers qualify."""
     return bool(cache.layers) and all(isinstance(layer, BufferLayer) for layer in cache.layers)
@@ -95,15 +108,10 @@ class KVCache:
         return cache
 
     def check_append(self, start_pos: int) -> None:
-        if start_pos != self.length:
-            raise CacheContractError(
-                f"append at position {start_pos} but the cache holds {self.length} positions; "
-                "roll back explicitly before rewriting history"
-            )
+        check_append(self.length, start_pos)
 
     def rollback(self, length: int) -> None:
-        if not 0 <= length <= self.length:
-            raise CacheContractError(f"cannot roll back to {length}: cache holds {self.length}")
+        check_rollback(self.length, length)
         if length < self.length:
             self.hf.crop(length - self.length)  # transformers 5: a negative count to drop
             self.length = length

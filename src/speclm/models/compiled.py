@@ -1,0 +1,343 @@
+"""The fast PyTorch path: the stock HF model compiled over a static KV cache.
+
+:class:`CompiledCausalLM` implements the same interface as the eager reference backend
+(:class:`~.hf.HFCausalLM`) and must produce the same greedy tokens. Design:
+
+* the stock transformers model runs unmodified (no forked model file) over a
+  :class:`~.static_cache.StaticKVCache`: preallocated buffers written by position, so rollback
+  is free and a compiled step sees the same buffers at every call;
+* every call passes explicit positions and an explicit 4D additive mask over the whole static
+  length (a chain: causal over the filled slots; a tree: speclm.tree's mask), so chains and
+  trees share one compiled step and the model's own mask code never runs;
+* the step is compiled with ``torch.compile(dynamic=False)``; the tokens fed are padded up to a
+  few fixed counts (``buckets``, default 1, 4, 8, 16, 32) so there are few recompiles. Padded
+  rows write into the slots after the real ones, which are masked and later overwritten. The
+  cache length comes in buckets too (static_cache.capacity_buckets); each pair (tokens,
+  capacity) is one compiled graph, which ``warmup`` compiles up front;
+* longer forwards (prompt prefill) and ``return_hidden`` (EAGLE/Medusa features) run the same
+  model eagerly on the same cache: correct, just not compiled;
+* bfloat16 where the hardware has it (:func:`fast_dtype`), optional weight-only int8/int4
+  (models/quantize.py); the logits handed to the verifier are always float32;
+* on CUDA the steps are compiled with ``mode="reduce-overhead"`` (CUDA graphs; written for, not
+  yet run on a GPU); on CPU the default mode, with weight freezing for bfloat16/float16;
+* once a (tokens, capacity) graph is compiled, calls evaluate only the guards that tell the
+  compiled graphs apart (``skip_guard_eval_unsafe``; the full set costs ~1 ms a step).
+
+On a 2-core CPU each graph of the 30-layer default model takes ~25-30 s to compile.
+Numerics: float32 and float64 give the eager backend's greedy tokens. In bfloat16 (and with
+quantized weights) a verify step over T tokens does not round exactly like a one-token step, so
+a speculative run can flip a greedy near-tie that plain decoding resolves the other way; that is
+the precision, not the speculation (in float32 the runs are identical).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import SpeclmError
+from ..tree import TreeMeta
+from .base import ForwardOutput
+from .static_cache import StaticKVCache, capacity_buckets
+
+DEFAULT_BUCKETS = (1, 4, 8, 16, 32)
+PREFILL_CHUNK = 512  # eager prefill runs in chunks of this many tokens (bounds the mask's size)
+
+
+def fast_dtype(device: torch.device | str) -> torch.dtype:
+    """bfloat16 where the device computes it natively (CPU with AVX512-BF16/AMX, CUDA with bf16
+    support), else float32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        try:
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return torch.bfloat16
+        except (AttributeError, RuntimeError):
+            pass
+    return torch.float32
+
+
+def _raise_dynamo_limits(graphs: int) -> None:
+    import torch._dynamo.config as dynamo_config
+
+    for name, want in (("recompile_limit", graphs), ("cache_size_limit", graphs),
+                       ("accumulated_recompile_limit", 4 * graphs), ("accumulated_cache_size_limit", 4 * graphs)):
+        current = getattr(dynamo_config, name, None)
+        if isinstance(current, int) and current < want:
+            setattr(dynamo_config, name, want)
+
+
+class _Step:
+    """The compiled forward of one model, shared by a backend and its forks."""
+
+    def __init__(self, model: torch.nn.Module, mode: str | None, backend: str = "inductor",
+                 freeze: bool = False) -> None:
+        self.model = model
+
+        def step(cache: StaticKVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+            out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                        past_key_values=cache, use_cache=True)
+            logits = out.logits[0]  # [T, V]
+            return logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (or 64)
+
+        self.eager = step
+        # freezing folds the weights into the graph as constants, which lets inductor prepack
+        # them for oneDNN (AMX): ~1.4x faster bfloat16 matmuls on CPU, no gain in float32. The
+        # weights must not change after compiling (inference only), and a frozen graph skips
+        # inductor's on-disk cache, so every process compiles it again.
+        options = {"freezing": True} if freeze and backend == "inductor" and mode is None else None
+        self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend, options=options)
+        self.seen: set[tuple[int, int]] = set()  # (tokens, capacity) compiled so far
+        self.skip_guards = True
+
+
+class CompiledCausalLM:
+    """A transformers causal LM, compiled, behind the :class:`~speclm.models.base.CausalLM`
+    interface. Build it with :func:`make_compiled`."""
+
+    supports_trees = True
+
+    def __init__(self, model: torch.nn.Module, eos_token_ids: frozenset[int], *,
+                 buckets: Sequence[int] = DEFAULT_BUCKETS, capacities: Sequence[int] | None = None,
+                 quantize: str | None = None, compile_backend: str = "inductor",
+                 _step: _Step | None = None) -> None:
+        config = model.config
+        attention = getattr(config, "_attn_implementation", None) or "eager"
+        if attention not in ("eager", "sdpa"):
+            raise SpeclmError(f"the compiled backend needs eager or sdpa attention, {type(model).__name__} "
+                              f"uses {attention!r}")
+        if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):
+            raise SpeclmError(f"{type(model).__name__} has sliding-window or other special attention "
+                              "layers; the compiled backend supports full-attention models only")
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise SpeclmError(f"{type(model).__name__} uses sliding-window attention; the compiled "
+                              "backend supports full-attention models only")
+        self.model = model.eval()
+        first = next(model.parameters())
+        self.device, self.dtype = first.device, first.dtype
+        head = model.get_output_embeddings()  # a quantized head has no float weight to measure
+        self.vocab_size = int(getattr(head, "out_features", None) or config.vocab_size)
+        self.max_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.eos_token_ids = eos_token_ids
+        self.num_layers = int(config.num_hidden_layers)
+        self.quantize = quantize
+        self.backend_name = "torch-compiled" + (f"+{quantize}" if quantize else "")
+        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        if not self.buckets or self.buckets[0] < 1:
+            raise SpeclmError(f"token buckets must be positive, got {tuple(buckets)}")
+        self.capacities = tuple(capacities) if capacities else capacity_buckets(
+            self.max_context, self.buckets[-1], min(512, self.max_context + self.buckets[-1]))
+        _raise_dynamo_limits(len(self.buckets) * len(self.capacities) * 2)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self._cache = StaticKVCache(self.num_layers, kv_heads, head_dim, self.capacities,
+                                    self.dtype, self.device)
+        mode = "reduce-overhead" if self.device.type == "cuda" and compile_backend == "inductor" else None
+        self.compile_backend = compile_backend
+        freeze = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
+        self._step = _step or _Step(model, mode, compile_backend, freeze)
+        self._min = torch.finfo(self.dtype).min
+        self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        self._neg = torch.full((), self._min, dtype=self.dtype, device=self.device)
+        self._warming = False
+
+    # -- the CausalLM interface -----------------------------------------------------------
+    @property
+    def cache_length(self) -> int:
+        return self._cache.length
+
+    def rollback(self, length: int) -> None:
+        self._cache.rollback(length)
+
+    def compact(self, start: int, keep: list[int]) -> None:
+        self._cache.compact(start, keep)
+
+    def reset(self) -> None:
+        self._cache.reset()
+
+    def fork(self) -> CompiledCausalLM:
+        """A second handle on the same weights and compiled step, with its own cache."""
+        return CompiledCausalLM(self.model, self.eos_token_ids, buckets=self.buckets,
+                                capacities=self.capacities, quantize=self.quantize,
+                                compile_backend=self.compile_backend, _step=self._step)
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The padded token count a forward of ``num_tokens`` runs at (None: eager)."""
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        return None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        start_pos: int,
+        num_logits: int = 1,
+        return_hidden: bool | Sequence[int] = False,
+        tree: TreeMeta | None = None,
+    ) -> ForwardOutput:
+        num_new = token_ids.shape[0]
+        if not 1 <= num_logits <= num_new:
+            raise ValueError(f"num_logits must be in [1, {num_new}], got {num_logits}")
+        self._cache.check_append(start_pos)
+        if start_pos + num_new > self.max_context:
+            raise SpeclmError(f"{start_pos + num_new} positions exceed the model's context of {self.max_context}")
+        root_slot = None
+        if tree is not None:
+            root_slot = start_pos + num_new - (tree.num_nodes + 1)  # the pending token's slot
+            if not 0 <= root_slot <= start_pos:
+                raise ValueError(f"{num_new} tokens cannot be the last rows of a tree of {tree.num_nodes} nodes")
+        padded = self.bucket(num_new)
+        if return_hidden or padded is None:
+            return self._eager(token_ids, start_pos, num_logits, return_hidden, tree, root_slot)
+        self._cache.reserve(start_pos + padded)
+        ids = torch.zeros(padded, dtype=torch.long)
+        ids[:num_new] = token_ids.to("cpu", torch.long)
+        positions = self._positions(start_pos, num_new, padded, tree, root_slot)
+        mask = self._mask(start_pos, num_new, padded, tree, root_slot)
+        self._cache.start.fill_(start_pos)
+        step = self._step
+        key = (padded, self._cache.capacity)
+        args = (self._cache, ids.to(self.device).view(1, padded), positions.to(self.device).view(1, padded), mask)
+        if key in step.seen:
+            # this shape is compiled: check only the guards that tell the compiled graphs apart
+            # (dynamo's full guard set costs ~1 ms per call on a 30-layer model)
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=step.skip_guards):
+                logits = step.compiled(*args)  # [padded, V]
+        else:
+            if step.seen and not self._warming:
+                print(f"speclm: compiling a step for {padded} tokens over {self._cache.capacity} cache "
+                      "slots (one time)...", file=sys.stderr)
+            logits = step.compiled(*args)
+            step.seen.add(key)
+        self._cache.length += num_new
+        logits = logits[num_new - num_logits : num_new]
+        if self.device.type == "cuda":
+            logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
+        return ForwardOutput(logits=logits)
+
+    # -- helpers --------------------------------------------------------------------------
+    def _positions(self, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
+                   root_slot: int | None) -> torch.Tensor:
+        """[rows] positions: the real ones, then the padded rows continuing after the last."""
+        if tree is None:
+            return torch.arange(start_pos, start_pos + rows)
+        real = tree.positions(root_slot, num_new)
+        pad = real[-1] + 1 + torch.arange(rows - num_new)
+        return torch.cat([real, pad])
+
+    def _mask(self, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
+              root_slot: int | None) -> torch.Tensor:
+        """[1, 1, rows, capacity] additive mask: row r (slot start_pos + r) sees the slots up to its
+        own (a chain; padded rows too), or the committed past and its tree ancestors (a tree)."""
+        cap = self._cache.capacity
+        slots = torch.arange(start_pos, start_pos + rows).view(rows, 1)
+        allowed = torch.arange(cap).view(1, cap) <= slots  # [rows, cap]
+        if tree is not None:
+            k = tree.num_nodes
+            block = torch.ones(k + 1, k + 1, dtype=torch.bool).tril_()  # [pending, nodes] rows
+            block[1:, 1:] = tree.ancestors
+            block[1:, 0] = True
+            block[0, 1:] = False
+            allowed[:num_new, root_slot : root_slot + k + 1] = block[k + 1 - num_new :]
+        allowed = allowed.to(self.device)
+        return torch.where(allowed, self._zero, self._neg).view(1, 1, rows, cap)
+
+    def _eager(self, token_ids, start_pos, num_logits, return_hidden, tree, root_slot) -> ForwardOutput:
+        """An uncompiled forward on the same cache: long prefills (in chunks) and hidden states."""
+        num_new = token_ids.shape[0]
+        token_ids = token_ids.to("cpu", torch.long)
+        layers = None if isinstance(return_hidden, bool) else [i % (self.num_layers + 1) for i in return_hidden]
+        self._cache.reserve(start_pos + num_new)
+        chunk = num_new if (return_hidden or tree is not None) else PREFILL_CHUNK
+        logits, hidden = [], []
+        for lo in range(0, num_new, chunk):
+            n = min(chunk, num_new - lo)
+            pos = start_pos + lo
+            positions = self._positions(pos, n, n, tree, root_slot)
+            mask = self._mask(pos, n, n, tree, root_slot)
+            self._cache.start.fill_(pos)
+            want = max(0, num_logits - (num_new - lo - n))  # logits rows of this chunk
+            out = self.model(input_ids=token_ids[lo : lo + n].to(self.device).view(1, n),
+                             attention_mask=mask, position_ids=positions.to(self.device).view(1, n),
+                             past_key_values=self._cache, use_cache=True, logits_to_keep=max(want, 1),
+                             output_hidden_states=bool(return_hidden) if layers is None else layers)
+            self._cache.length += n
+            if want:
+                rows = out.logits[0, -want:]
+                logits.append(rows.to(torch.promote_types(rows.dtype, torch.float32)))
+            if return_hidden:
+                hidden = tuple(None if h is None else h[0] for h in out.hidden_states)
+        return ForwardOutput(logits=torch.cat(logits), hidden_states=hidden if return_hidden else None)
+
+    def warmup(self, max_draft: int | None = None, capacities: Sequence[int] | None = None) -> float:
+        """Compile the step for every token bucket up to ``max_draft + 1`` tokens (all buckets by
+        default) over the given cache capacities (the smallest by default), so that compiling
+        does not land in a request's time. Returns the seconds spent."""
+        top = self.bucket(max_draft + 1) if max_draft is not None else None
+        todo = [b for b in self.buckets if top is None or b <= top]
+        caps = list(capacities or self.capacities[:1])
+        if all((b, c) in self._step.seen for b in todo for c in caps):
+            return 0.0
+        estimate = (3 + self.num_layers) * len(todo) * len(caps)  # ~30 s a graph for 30 layers, 2 cores
+        print(f"speclm: compiling the decode and verify steps (one time, ~{estimate} s; "
+              f"{len(todo)} token counts x {len(caps)} cache sizes)...", file=sys.stderr)
+        t0 = time.perf_counter()
+        self._warming = True
+        try:
+            for cap in caps:
+                for b in todo:
+                    self.reset()
+                    self._cache.reserve(cap)
+                    self.forward(torch.zeros(b, dtype=torch.long), 0, num_logits=1)
+        finally:
+            self._warming = False
+            self.reset()
+        return time.perf_counter() - t0
+
+
+def make_compiled(
+    hf_model: torch.nn.Module,
+    eos_token_ids: frozenset[int],
+    *,
+    dtype: torch.dtype | str | None = None,
+    quantize: str | None = None,
+    buckets: Sequence[int] = DEFAULT_BUCKETS,
+    capacities: Sequence[int] | None = None,
+    inplace: bool = False,
+    compile_backend: str = "inductor",
+) -> CompiledCausalLM:
+    """A :class:`CompiledCausalLM` over ``hf_model``.
+
+    ``dtype``: the compute dtype; ``"auto"`` picks :func:`fast_dtype` (bfloat16 where the hardware
+    has it); None keeps the model's own. ``quantize``: None, ``"int8"`` or ``"int4"`` (weight-only,
+    models/quantize.py). When the dtype changes or weights are quantized, the model is copied first
+    (the caller's eager model stays the reference) unless ``inplace``.
+    Compiling happens lazily on first use of each shape, or up front with ``warmup``.
+    ``compile_backend``: torch.compile's backend ("inductor"; "aot_eager" for quick tests).
+    """
+    from .quantize import quantize_weights
+
+    device = next(hf_model.parameters()).device
+    if isinstance(dtype, str):
+        from .loading import resolve_dtype
+
+        dtype = fast_dtype(device) if dtype == "auto" else resolve_dtype(dtype, device)
+    model = hf_model
+    current = next(hf_model.parameters()).dtype
+    if (dtype is not None and dtype != current) or quantize:
+        model = hf_model if inplace else copy.deepcopy(hf_model)
+        if dtype is not None and dtype != current:
+            model = model.to(dtype)
+    if quantize:
+        quantize_weights(model, quantize)
+    return CompiledCausalLM(model.eval(), eos_token_ids, buckets=buckets, capacities=capacities,
+                            quantize=quantize, compile_backend=compile_backend)

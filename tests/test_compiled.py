@@ -1,0 +1,268 @@
+"""The compiled fast path (models/compiled.py) against the eager reference backend.
+
+On tiny random Llama models: chain and tree logits match HFCausalLM's, rollback and compaction
+behave like the eager cache, greedy generation (plain, prompt lookup, a draft model) is token-
+identical to eager plain decoding, and int8/int4 weight-only quantization stays close to the float
+model and lossless with respect to its own plain decoding. Most checks compile with torch.compile's
+``aot_eager`` backend (the same tracing, padding and static cache, compiled in a second); the
+greedy identity checks also run under inductor, the backend used for real.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from speclm.drafters.draft_model import DraftModelDrafter
+from speclm.drafters.ngram import NgramDrafter
+from speclm.engine import generate_tokens
+from speclm.errors import CacheContractError, SpeclmError
+from speclm.models.compiled import CompiledCausalLM, fast_dtype, make_compiled
+from speclm.models.quantize import Int4Linear, Int8Linear, quantize_weights
+from speclm.sampling import SamplingParams
+from speclm.tree import TreeMeta
+
+from .conftest import backend, noisy_copy, tiny_model
+
+pytestmark = pytest.mark.compiled
+VOCAB = 300
+EOS = frozenset({0})
+
+
+@pytest.fixture(scope="module")
+def target64():
+    return tiny_model(VOCAB, seed=0)
+
+
+@pytest.fixture(scope="module")
+def quick(target64) -> CompiledCausalLM:
+    """aot_eager, small cache buckets so that requests cross capacities."""
+    return make_compiled(target64, EOS, buckets=(1, 2, 4, 8), capacities=(32, 64, 264),
+                         compile_backend="aot_eager")
+
+
+@pytest.fixture(scope="module")
+def inductor(target64) -> CompiledCausalLM:
+    model = make_compiled(target64, EOS, buckets=(1, 8), capacities=(264,))
+    model.warmup()
+    return model
+
+
+@pytest.fixture(scope="module")
+def target32():
+    return tiny_model(VOCAB, seed=0).float()
+
+
+def _ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _same(a, b, tol=1e-9):
+    torch.testing.assert_close(a.logits.double(), b.logits.double(), rtol=tol, atol=tol)
+
+
+def _greedy(model, prompt, drafter=None, max_tokens=40) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    return [t for step in generate_tokens(model, prompt, params, drafter=drafter) for t in step.tokens]
+
+
+def _repetitive_prompt() -> torch.Tensor:
+    return torch.cat([_ids(12, 1), _ids(12, 1), _ids(5, 2)])  # prompt lookup finds matches
+
+
+@pytest.mark.parametrize("which", ["quick", "inductor"])
+def test_chain_logits_match_eager(request, target64, which):
+    fast, ref = request.getfixturevalue(which), backend(target64)
+    tol = 1e-9 if which == "quick" else 1e-5  # inductor reorders float64 sums (and rounds via RMSNorm's float32)
+    fast.reset()
+    ids = _ids(80)
+    _same(fast.forward(ids[:20], 0, num_logits=20), ref.forward(ids[:20], 0, num_logits=20), tol)  # eager prefill
+    pos = 20
+    for t in (1, 3, 2, 8, 5, 1, 7, 4, 6):  # crosses the 32- and 64-slot capacities (quick)
+        _same(fast.forward(ids[pos : pos + t], pos, num_logits=t), ref.forward(ids[pos : pos + t], pos, num_logits=t), tol)
+        pos += t
+    assert fast.cache_length == ref.cache_length == pos
+
+
+def test_tree_logits_match_eager(quick, target64):
+    ref = backend(target64)
+    for m in (quick, ref):
+        m.reset()
+        m.forward(_ids(30), 0)
+    tree = TreeMeta.from_parents([-1, -1, 0, 0, 1])
+    fed = _ids(6, 3)  # [pending, 5 nodes]
+    _same(quick.forward(fed, 30, num_logits=6, tree=tree), ref.forward(fed, 30, num_logits=6, tree=tree))
+    for m in (quick, ref):  # keep the path pending -> n1 -> n4
+        m.compact(31, [1, 4])
+    nxt = _ids(2, 4)
+    _same(quick.forward(nxt, 33, num_logits=2), ref.forward(nxt, 33, num_logits=2))
+    # a tree fed level by level: the last rows of [pending, nodes], earlier ones cached
+    for m in (quick, ref):
+        m.rollback(30)
+    first = TreeMeta.from_parents([-1, -1])
+    _same(quick.forward(fed[:3], 30, num_logits=3, tree=first), ref.forward(fed[:3], 30, num_logits=3, tree=first))
+    _same(quick.forward(fed[3:], 33, num_logits=3, tree=tree), ref.forward(fed[3:], 33, num_logits=3, tree=tree))
+
+
+def test_rollback_compact_and_contract(quick, target64):
+    ref = backend(target64)
+    ids = _ids(60)
+    for m in (quick, ref):
+        m.reset()
+        m.forward(ids[:25], 0)
+        m.forward(ids[25:29], 25, num_logits=4)
+        m.rollback(27)
+        m.compact(24, [0, 2])  # drops position 25
+        assert m.cache_length == 26
+    _same(quick.forward(ids[40:43], 26, num_logits=3), ref.forward(ids[40:43], 26, num_logits=3))
+    with pytest.raises(CacheContractError):
+        quick.forward(ids[:1], 5)
+    with pytest.raises(CacheContractError):
+        quick.rollback(100)
+    with pytest.raises(CacheContractError):
+        quick.compact(20, [0, 50])
+    quick.reset()
+    assert quick.cache_length == 0
+
+
+def test_hidden_states_fall_back_to_eager(quick, target64):
+    ref = backend(target64)
+    ids = _ids(10)
+    for m in (quick, ref):
+        m.reset()
+    a = quick.forward(ids, 0, num_logits=2, return_hidden=[0, -1])
+    b = ref.forward(ids, 0, num_logits=2, return_hidden=[0, -1])
+    _same(a, b)
+    torch.testing.assert_close(a.hidden_states[-1], b.hidden_states[-1])
+    assert a.hidden_states[1] is None and quick.cache_length == 10
+
+
+def test_fork_shares_weights_and_step(quick, target64):
+    other = quick.fork()
+    assert other.model is quick.model and other._step is quick._step
+    ids = _ids(12)
+    quick.reset()
+    quick.forward(ids[:9], 0)
+    other.reset()
+    out = other.forward(ids[:4], 0, num_logits=4)
+    assert other.cache_length == 4 and quick.cache_length == 9
+    _same(out, backend(target64).forward(ids[:4], 0, num_logits=4))
+
+
+@pytest.mark.parametrize("which", ["quick", "inductor"])
+def test_greedy_identity(request, target64, which):
+    fast = request.getfixturevalue(which)
+    prompt = _repetitive_prompt()
+    expected = _greedy(backend(target64), prompt)
+    assert _greedy(fast, prompt) == expected
+    assert _greedy(fast, prompt, NgramDrafter(2, 3)) == expected
+    draft = make_compiled(noisy_copy(target64, 0.05, seed=1), EOS, buckets=fast.buckets,
+                          capacities=fast.capacities, compile_backend=fast.compile_backend)
+    assert _greedy(fast, prompt, DraftModelDrafter(draft, VOCAB)) == expected
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_close_and_lossless(target32, scheme):
+    q = make_compiled(target32, EOS, quantize=scheme, buckets=(1, 2, 4, 8), capacities=(264,),
+                      compile_backend="aot_eager")
+    assert q.model is not target32 and q.backend_name == f"torch-compiled+{scheme}"
+    kinds = {type(m) for m in q.model.modules()}
+    assert (Int8Linear if scheme == "int8" else Int4Linear) in kinds and torch.nn.Linear not in kinds
+    ids = _ids(20)
+    a = q.forward(ids, 0, num_logits=20).logits
+    b = backend(target32).forward(ids, 0, num_logits=20).logits
+    err = (a - b).norm() / b.norm()
+    assert err < (0.05 if scheme == "int8" else 0.6), float(err)  # errors compound through the layers
+    prompt = _repetitive_prompt()
+    assert _greedy(q, prompt, NgramDrafter(2, 3)) == _greedy(q, prompt)
+
+
+def test_bfloat16_int8_inductor(target32):
+    """bf16 activations, int8 weights: compiled for real, against the traced reference."""
+    ids = _ids(3)
+    outs = []
+    for how in ("inductor", "aot_eager"):
+        fast = make_compiled(target32, EOS, dtype=torch.bfloat16, quantize="int8", buckets=(4,),
+                             capacities=(264,), compile_backend=how)
+        assert fast.model.get_output_embeddings().scales.dtype == torch.bfloat16 and fast.vocab_size == VOCAB
+        outs.append(fast.forward(ids, 0, num_logits=3).logits)
+    assert outs[0].dtype == torch.float32
+    torch.testing.assert_close(outs[0], outs[1], rtol=0.02, atol=0.05)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_linear_layers(dtype):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 300, dtype=dtype)  # 300 outputs: int4 pads to whole tiles
+    x = torch.randn(5, 256, dtype=dtype)
+    with torch.no_grad():
+        ref = linear(x).float()
+        for cls, tol in ((Int8Linear, 0.01), (Int4Linear, 0.08)):  # int4: ~range / 15 per weight
+            out = cls(linear)(x)
+            assert out.dtype == dtype and out.shape == (5, 300)
+            assert float((out.float() - ref).norm() / ref.norm()) < tol, cls.__name__
+
+
+def test_bfloat16_step_keeps_float32_logits(target32):
+    fast = make_compiled(target32, EOS, dtype=torch.bfloat16, buckets=(1, 4), capacities=(264,),
+                         compile_backend="aot_eager")
+    assert fast.dtype == torch.bfloat16 and next(target32.parameters()).dtype == torch.float32
+    out = fast.forward(_ids(3), 0, num_logits=2)
+    assert out.logits.dtype == torch.float32 and out.logits.shape == (2, VOCAB)
+    ref = backend(copy.deepcopy(target32).to(torch.bfloat16))  # the same rounding, eagerly
+    expected = ref.forward(_ids(3), 0, num_logits=2).logits.float()
+    assert float((out.logits - expected).norm() / expected.norm()) < 0.02
+    assert fast_dtype("cpu") in (torch.bfloat16, torch.float32)
+
+
+def test_clear_errors(target64, target32):
+    with pytest.raises(SpeclmError, match="unknown quantization"):
+        make_compiled(target32, EOS, quantize="int3")
+    with pytest.raises(SpeclmError, match="float32, bfloat16 or float16"):
+        make_compiled(target64, EOS, quantize="int8")
+    torch.manual_seed(0)
+    odd = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96,
+                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2))
+    with pytest.raises(SpeclmError, match="divisible by 32"):
+        quantize_weights(odd, "int4")
+    assert not any(isinstance(m, Int4Linear) for m in odd.modules())  # left untouched
+    with pytest.raises(SpeclmError, match="buckets"):
+        make_compiled(target64, EOS, buckets=(0, 4))
+
+
+@pytest.mark.real_model
+def test_real_model_greedy_identity():
+    from speclm.models import load_model
+    from speclm.prompts import encode_user_turn
+
+    loaded = load_model("default", backend="torch")
+    eager = loaded.backend
+    fast = make_compiled(eager.model, eager.eos_token_ids, buckets=(1, 8))
+    fast.warmup()
+    prompt = torch.tensor(encode_user_turn(loaded.tokenizer, "List three facts about the Moon."))
+    expected = _greedy(eager, prompt, max_tokens=32)
+    assert _greedy(fast, prompt, max_tokens=32) == expected
+    assert _greedy(fast, prompt, NgramDrafter(1, 3), max_tokens=32) == expected
+
+
+def test_api_and_cli_select_the_fast_path(model_dirs, capsys):
+    """LLM(compile=True) / --compile run the compiled backend (stats say so) and give plain
+    eager decoding's greedy tokens in float64; layer drafters refuse it in one line."""
+    from speclm import LLM, SamplingParams
+    from speclm.cli import main
+
+    eager = LLM(str(model_dirs["target"]), "ngram", 4, dtype="float64", backend="torch")
+    fast = LLM(str(model_dirs["target"]), "ngram", 4, dtype="float64", compile=True)
+    assert fast.backend_name == "torch-compiled" and eager.backend_name == "torch"
+    params = SamplingParams(max_tokens=24)
+    want = eager.generate("the quick brown fox", params, speculative=False)[0].token_ids
+    got = fast.generate("the quick brown fox", params)[0]
+    assert got.token_ids == want and got.stats.backend == "torch-compiled"
+    with pytest.raises(SpeclmError, match="--backend torch"):
+        fast.make_speculation("early-exit")
+    assert main(["generate", "--model", str(model_dirs["target"]), "--compile", "--dtype", "float64",
+                 "-n", "8", "--raw", "the quick"]) == 0
+    assert "on torch-compiled" in capsys.readouterr().err
