@@ -266,3 +266,14 @@ def test_api_and_cli_select_the_fast_path(model_dirs, capsys):
     assert main(["generate", "--model", str(model_dirs["target"]), "--compile", "--dtype", "float64",
                  "-n", "8", "--raw", "the quick"]) == 0
     assert "on torch-compiled" in capsys.readouterr().err
+
+
+def test_bfloat16_cast_keeps_rotary_frequencies_float32(target32):
+    """Casting a float32 model to bfloat16 must not round RoPE's inv_freq (it garbles long
+    prompts): the fast path keeps it float32, as transformers does when loading in bfloat16."""
+    fast = make_compiled(target32, frozenset({0}), dtype=torch.bfloat16, compile_backend="aot_eager")
+    rotary = {n: b for n, b in fast.model.named_buffers() if "inv_freq" in n}
+    assert rotary and all(b.dtype == torch.float32 for b in rotary.values())
+    assert torch.equal(rotary["model.rotary_emb.inv_freq"],
+                       dict(target32.named_buffers())["model.rotary_emb.inv_freq"])
+    assert next(fast.model.parameters()).dtype == torch.bfloat16
