@@ -16,7 +16,9 @@ METHOD_HELP = ("Method specs: plain | any drafter with its options plus k= and a
                "(ngram[:k=10,min=2,max=3] | suffix | recycle | layerskip[:skip=..] | early-exit[:layers=N] "
                "| draft:path=PATH[,k=5,p_min=0] | distilled | medusa:path=DIR | eagle:path=DIR | auto; "
                "see `speclm generate --help`) | oracle:a=0.7[,k=4] | hf | hf-lookup[:k=10] | "
-               "hf-assisted:path=PATH[,k=5] | hf-early-exit[:layers=N,k=5]. Models: 'default', an HF "
+               "hf-assisted:path=PATH[,k=5] | hf-early-exit[:layers=N,k=5] | llamacpp | llamacpp-lookup[:k=10,ngram=2]. "
+               "speclm methods take engine options too: backend=torch|llamacpp, compile=1, quantize=int8|int4, "
+               "dtype=... (one run compares backends). Models: 'default', an HF "
                "folder, a .gguf file, or random:PRESET / random:CONFIG.json (random weights, for oracle "
                "runs on any shape; presets: %s).")
 
