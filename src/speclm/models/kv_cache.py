@@ -83,6 +83,12 @@ def check_rollback(held: int, length: int) -> None:
         raise CacheContractError(f"cannot roll back to {length}: cache holds {held}")
 
 
+def check_compact(held: int, start: int, keep: list[int]) -> None:
+    """... and keep, after ``start``, only entries it holds (``keep`` ascending)."""
+    if not 0 <= start <= held or (keep and (keep[0] < 0 or start + keep[-1] >= held)):
+        raise CacheContractError(f"cannot keep {keep} after {start}: cache holds {held}")
+
+
 def supports_trees(cache: DynamicCache) -> bool:
     """A tree mask replaces the model's own masks: only plain full-attention layers qualify."""
     return bool(cache.layers) and all(isinstance(layer, BufferLayer) for layer in cache.layers)
@@ -122,8 +128,7 @@ class KVCache:
         if keep == list(range(len(keep))):
             self.rollback(start + len(keep))
             return
-        if not 0 <= start <= self.length or (keep and (keep[0] < 0 or start + keep[-1] >= self.length)):
-            raise CacheContractError(f"cannot keep {keep} after {start}: cache holds {self.length}")
+        check_compact(self.length, start, keep)
         src = torch.tensor(keep, dtype=torch.long) + start
         on_device: dict[torch.device, torch.Tensor] = {}  # one copy per device, not per layer
         for layer in self.hf.layers:

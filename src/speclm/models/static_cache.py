@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheContractError, SpeclmError
-from .kv_cache import check_append, check_rollback
+from .kv_cache import check_append, check_compact, check_rollback
 
 
 def capacity_buckets(max_context: int, max_tokens: int, smallest: int = 512) -> tuple[int, ...]:
@@ -109,8 +109,7 @@ class StaticKVCache:
         if keep == list(range(len(keep))):
             self.rollback(start + len(keep))
             return
-        if not 0 <= start <= self.length or (keep and (keep[0] < 0 or start + keep[-1] >= self.length)):
-            raise CacheContractError(f"cannot keep {keep} after {start}: cache holds {self.length}")
+        check_compact(self.length, start, keep)
         src = torch.tensor(keep, dtype=torch.long).add_(start).to(self.device)
         for buf in self.keys + self.values:
             buf[:, :, start : start + len(keep)] = buf.index_select(2, src)
