@@ -42,6 +42,7 @@ import torch
 from ..errors import SpeclmError
 from ..tree import TreeMeta
 from .base import ForwardOutput
+from .kv_cache import check_forward
 from .static_cache import StaticKVCache, capacity_buckets
 
 DEFAULT_BUCKETS = (1, 4, 8, 16, 32)
@@ -185,9 +186,7 @@ class CompiledCausalLM:
         tree: TreeMeta | None = None,
     ) -> ForwardOutput:
         num_new = token_ids.shape[0]
-        if not 1 <= num_logits <= num_new:
-            raise ValueError(f"num_logits must be in [1, {num_new}], got {num_logits}")
-        self._cache.check_append(start_pos)
+        check_forward(self._cache.length, start_pos, num_new, num_logits)
         if start_pos + num_new > self.max_context:
             raise SpeclmError(f"{start_pos + num_new} positions exceed the model's context of {self.max_context}")
         root_slot = None

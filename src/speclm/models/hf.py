@@ -15,7 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ..errors import SpeclmError
 from ..tree import TreeMeta
 from .base import ForwardOutput
-from .kv_cache import KVCache, supports_trees
+from .kv_cache import KVCache, check_forward, supports_trees
 
 
 class HFCausalLM:
@@ -63,9 +63,7 @@ class HFCausalLM:
         tree: TreeMeta | None = None,
     ) -> ForwardOutput:
         num_new = token_ids.shape[0]
-        if not 1 <= num_logits <= num_new:
-            raise ValueError(f"num_logits must be in [1, {num_new}], got {num_logits}")
-        self._cache.check_append(start_pos)
+        check_forward(self._cache.length, start_pos, num_new, num_logits)
         slots = torch.arange(start_pos, start_pos + num_new, device=self.device)  # [T] cache slots
         mask = None
         if tree is None:

@@ -77,6 +77,13 @@ def check_append(held: int, start_pos: int) -> None:
                                  "roll back explicitly before rewriting history")
 
 
+def check_forward(held: int, start_pos: int, num_new: int, num_logits: int) -> None:
+    """A forward of ``num_new`` tokens asking for ``num_logits`` rows, appended at ``start_pos``."""
+    if not 1 <= num_logits <= num_new:
+        raise ValueError(f"num_logits must be in [1, {num_new}], got {num_logits}")
+    check_append(held, start_pos)
+
+
 def check_rollback(held: int, length: int) -> None:
     """... and roll back only to a length it holds."""
     if not 0 <= length <= held:
@@ -112,9 +119,6 @@ class KVCache:
             if type(layer) is DynamicLayer:
                 cache.layers[i] = BufferLayer()
         return cache
-
-    def check_append(self, start_pos: int) -> None:
-        check_append(self.length, start_pos)
 
     def rollback(self, length: int) -> None:
         check_rollback(self.length, length)

@@ -32,7 +32,7 @@ import torch
 from ..errors import CacheContractError, SpeclmError
 from ..tree import TreeMeta
 from .base import ForwardOutput
-from .kv_cache import check_append, check_rollback
+from .kv_cache import check_forward, check_rollback
 
 INSTALL_HINT = "pip install 'speclm[llamacpp]' (or: pip install llama-cpp-python)"
 MAX_TREE_NODES = 62  # sequence ids 1..62 for tree nodes, 0 for the committed tokens
@@ -161,9 +161,7 @@ class LlamaCppLM:
                               "target's features (eagle, medusa) need --backend torch")
         ids = token_ids.detach().to("cpu", torch.int32).numpy()  # [T]
         num_new = ids.shape[0]
-        if not 1 <= num_logits <= num_new:
-            raise ValueError(f"num_logits must be in [1, {num_new}], got {num_logits}")
-        check_append(self._length, start_pos)
+        check_forward(self._length, start_pos, num_new, num_logits)
         if start_pos + num_new > self.max_context:
             raise SpeclmError(f"{start_pos + num_new} positions exceed the llama.cpp context of "
                               f"{self.max_context}")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheContractError, SpeclmError
-from .kv_cache import check_append, check_compact, check_rollback
+from .kv_cache import check_compact, check_rollback
 
 
 def capacity_buckets(max_context: int, max_tokens: int, smallest: int = 512) -> tuple[int, ...]:
@@ -96,9 +96,6 @@ class StaticKVCache:
             dst[:, :, :n].copy_(src[:, :, :n])
 
     # -- the engine's contract -----------------------------------------------------------
-    def check_append(self, start_pos: int) -> None:
-        check_append(self.length, start_pos)
-
     def rollback(self, length: int) -> None:
         check_rollback(self.length, length)
         self.length = length  # the slots past it are masked, then overwritten
