@@ -23,7 +23,7 @@ def make_client(model_dir, **overrides) -> TestClient:
                         served_model_name="tiny", max_body_bytes=8192, shutdown_grace_s=2.0)
     for key, value in overrides.items():
         setattr(opts, key, value)
-    return TestClient(build_app(opts))
+    return TestClient(build_app(opts), base_url="http://localhost")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +86,18 @@ BAD_INPUT = [
     ("completion", {**COMPLETION, "prompt": "fox " * 600}, 400, "prompt", "context_length_exceeded", "the prompt has"),
     ("completion", {**COMPLETION, "echo": True}, 400, "echo", None, "not supported"),
     ("completion", {**COMPLETION, "prompt": "x" * 9000}, 413, None, "body_too_large", "larger than"),
+    # OpenAI's own rules
+    ("chat", {**CHAT, "n": 0}, 400, "n", None, "only 1"),
+    ("chat", {**CHAT, "messages": [{"role": "user", "content": None}]}, 400, "messages.0", None, "needs content"),
+    ("chat", {**CHAT, "messages": [{"role": "user"}]}, 400, "messages.0", None, "needs content"),
+    ("chat", {**CHAT, "stream_options": {"include_usage": True}}, 400, None, None,
+     "only allowed when stream is true"),
+    # malformed bodies: 400, not 500
+    ("chat", b'{"model":"tiny","messages":[{"role":"user","content":"a\\ud800b"}]}',
+     400, None, None, "not valid Unicode"),
+    ("completion", b'{"model":"tiny","prompt":"\\ud800"}', 400, None, None,
+     "not valid Unicode"),
+    ("chat", b"[" * 5000, 400, None, None, "nested too deeply"),
 ]
 
 
@@ -93,7 +105,8 @@ BAD_INPUT = [
                          ids=[f"{i}-{c[2]}-{c[3] or c[4] or c[5]}" for i, c in enumerate(BAD_INPUT)])
 def test_bad_input_gets_an_openai_error(client, route, body, status, param, code, fragment):
     path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
-    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    kwargs = ({"content": body, "headers": {"Content-Type": "application/json"}}
+              if isinstance(body, bytes) else {"json": body})
     err = error_of(client.post(path, **kwargs), status)
     assert err["param"] == param and err["code"] == code
     assert fragment in err["message"]
@@ -204,7 +217,7 @@ def test_full_queue_answers_429_then_recovers(model_dirs):
         while worker.load < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         err = error_of(r := c.post("/v1/completions", json=COMPLETION), 429)
-        assert err["code"] == "queue_full" and r.headers["retry-after"] == "1"
+        assert err["code"] == "queue_full" and int(r.headers["retry-after"]) >= 1
         gate.set()
         for t in threads:
             t.join(timeout=30)
@@ -250,3 +263,240 @@ def test_stop_cancels_what_outlives_the_grace_period(model_dirs):
         assert error_of(results[0], 503)["code"] == "shutting_down"
         assert error_of(c.post("/v1/completions", json=COMPLETION), 503)["code"] == "shutting_down"
         assert c.get("/health").status_code == 503
+
+
+def test_lone_surrogates_and_deep_nesting_log_one_line_not_a_traceback(client, caplog):
+    bodies = [b'{"model":"tiny","messages":[{"role":"user","content":"\\ud800"}]}', b"[" * 100000]
+    for body in bodies:
+        with caplog.at_level("INFO", logger="speclm.serve"):
+            r = client.post("/v1/chat/completions", content=body[:8000],
+                            headers={"Content-Type": "application/json"})
+        error_of(r, 400)
+    assert not [rec for rec in caplog.records if rec.exc_info]
+    assert len([rec for rec in caplog.records if ": 400 " in rec.getMessage()]) == len(bodies)
+
+
+def test_many_messages_are_refused_before_validation(model_dirs):
+    from speclm.serve.protocol import MAX_MESSAGES
+
+    with make_client(model_dirs["target"], max_body_bytes=8 << 20) as c:
+        body = {**CHAT, "messages": [{"role": "user", "content": ""}] * 200_000}  # ~6 MB
+        err = error_of(c.post("/v1/chat/completions", json=body), 400)
+        assert err["param"] == "messages" and f"at most {MAX_MESSAGES}" in err["message"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_only_json_bodies_are_accepted(client, content_type):
+    """A web page can POST text/plain or a form to any origin without a CORS preflight."""
+    import json
+
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    for path, body in (("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)):
+        r = client.post(path, content=json.dumps(body).encode(), headers=headers)
+        assert error_of(r, 415)["code"] == "unsupported_media_type"
+    ok = client.post("/v1/completions", content=json.dumps(COMPLETION).encode(),
+                     headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok.status_code == 200
+
+
+def test_host_check_refuses_dns_rebinding_without_a_key(model_dirs):
+    from speclm.serve.guard import host_allowed
+
+    assert all(host_allowed(h, ()) for h in ("localhost", "localhost:8000", "127.0.0.1:80",
+                                             "127.1.2.3", "[::1]:8000", "api.localhost"))
+    assert not any(host_allowed(h, ()) for h in ("evil.example", "evil.example:8000", "10.0.0.1",
+                                                 "localhost.evil.example", "[::2]:80", ""))
+    assert host_allowed("box.lan:8000", ["box.lan"]) and host_allowed("anything", ["*"])
+    with make_client(model_dirs["target"]) as c:
+        for path in ("/health", "/v1/models"):
+            r = c.get(path, headers={"Host": "attacker.example:8000"})
+            assert error_of(r, 403)["code"] == "host_not_allowed"
+        r = c.post("/v1/completions", json=COMPLETION, headers={"Host": "attacker.example"})
+        error_of(r, 403)
+        assert c.get("/v1/models", headers={"Host": "127.0.0.1:8000"}).status_code == 200
+    with make_client(model_dirs["target"], allowed_hosts=["box.lan"]) as c:
+        assert c.get("/v1/models", headers={"Host": "box.lan:8000"}).status_code == 200
+        error_of(c.get("/v1/models", headers={"Host": "other.lan"}), 403)
+    with make_client(model_dirs["target"], api_key="k") as c:  # the key protects: any Host
+        r = c.get("/v1/models", headers={"Host": "box.lan", "Authorization": "Bearer k"})
+        assert r.status_code == 200
+
+
+def test_cors_is_off_unless_configured(model_dirs):
+    preflight = {"Origin": "https://evil.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "content-type"}
+    with make_client(model_dirs["target"]) as c:
+        r = c.options("/v1/completions", headers=preflight)
+        assert "access-control-allow-origin" not in r.headers
+        r = c.post("/v1/completions", json=COMPLETION, headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in r.headers
+    with make_client(model_dirs["target"], cors_origins=["https://app.example"]) as c:
+        r = c.options("/v1/completions", headers={**preflight, "Origin": "https://app.example"})
+        assert r.status_code == 200
+        assert r.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.options("/v1/completions", headers=preflight)
+        assert r.headers.get("access-control-allow-origin") != "https://evil.example"
+
+
+def test_405_names_the_allowed_methods(client):
+    r = client.get("/v1/chat/completions")
+    error_of(r, 405)
+    assert r.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_streamed_chunks_say_usage_null_until_the_usage_chunk(client, include_usage):
+    import json
+
+    body = {**CHAT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True}
+    if include_usage:
+        body["stream_options"] = {"include_usage": True}
+    with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line and line != "data: [DONE]"]
+    if include_usage:
+        assert all(c["usage"] is None for c in chunks[:-1])
+        assert chunks[-1]["usage"]["completion_tokens"] == 6
+    else:
+        assert all("usage" not in c for c in chunks)
+
+
+def test_server_header_names_no_host_or_pid_and_is_absent_on_401(model_dirs):
+    import os
+    import socket
+
+    with make_client(model_dirs["target"], api_key="k") as c:
+        assert "x-speclm-server" not in c.get("/v1/models").headers  # 401
+        value = c.get("/v1/models", headers={"Authorization": "Bearer k"}).headers["x-speclm-server"]
+        assert str(os.getpid()) not in value and socket.gethostname() not in value
+        assert value.startswith("replica-")
+
+
+def test_tiny_temperature_is_greedy_through_the_server(client, solo):
+    expected = solo.generate("the quick brown fox", SamplingParams(max_tokens=10, ignore_eos=True))[0].text
+    for t in (1e-40, 1e-300, 0.0):
+        body = {**COMPLETION, "max_tokens": 10, "temperature": t, "ignore_eos": True}
+        out = client.post("/v1/completions", json=body).json()["choices"][0]
+        assert out["text"] == expected and out["finish_reason"] == "length"
+
+
+def test_retry_after_follows_the_drain_rate_and_spreads_refused_clients():
+    from speclm.serve.admission import MAX_RETRY_AFTER_S, Admission
+
+    now = [0.0]
+    adm = Admission(rows=4, clock=lambda: now[0])
+    assert adm.admit(load=8, capacity=8, retry=False) == 1.0  # no finishes seen yet: the fallback
+    for _ in range(11):  # requests leave at 2 per second
+        now[0] += 0.5
+        adm.finished()
+    assert adm.drain_rate() == pytest.approx(2.0)
+    waits = [adm.admit(8, 8, False) for _ in range(8)]
+    assert waits == sorted(waits) and waits[0] < waits[-1]  # the line is spread out, in order
+    # the first refusal is long past due (forgotten): the last of 8 has 8 places ahead, at 2/s
+    assert waits[-1] == pytest.approx(8 / 2.0)
+    now[0] += waits[0]  # the first refused client is due back: its place is held for it
+    assert adm.admit(7, 8, retry=False) is not None  # a newcomer does not get that place
+    assert adm.admit(7, 8, retry=True) is None  # the returning client does
+    now[0] += 60  # all past due: forgotten
+    assert adm.waiting == 0 and adm.admit(7, 8, False) is None
+    slow = Admission(rows=1, clock=lambda: now[0])
+    for _ in range(2):
+        now[0] += 100
+        slow.finished()
+    assert slow.admit(1, 1, False) == MAX_RETRY_AFTER_S  # capped where the openai clients still honour it
+
+
+def _simulate_clients(policy, seed, clients=24, capacity=8, seconds=120.0):
+    """Closed loop: each client sends a request (0.5-1.5 s of work) as soon as its previous one
+    finished, and after a 429 waits as told. Returns (most 429s in a row for one client,
+    fewest requests served to one client, requests served in all)."""
+    import heapq
+    import random
+
+    from speclm.serve.admission import Admission
+
+    rng, now = random.Random(seed), [0.0]
+    adm = Admission(rows=capacity // 2, clock=lambda: now[0])
+    events = [(i * 1e-3, 1, i, False) for i in range(clients)]  # (time, arrival?, client, retry)
+    load, streak, worst, served = 0, [0] * clients, 0, [0] * clients
+    while events:
+        t, arrival, c, retry = heapq.heappop(events)
+        now[0] = t
+        if t > seconds:
+            break
+        if not arrival:  # a request finished; its client comes straight back
+            load -= 1
+            adm.finished()
+            heapq.heappush(events, (t + 0.01, 1, c, False))
+            continue
+        wait = adm.admit(load, capacity, retry) if policy == "drain" else (None if load < capacity else 1.0)
+        if wait is None:
+            load, served[c], streak[c] = load + 1, served[c] + 1, 0
+            heapq.heappush(events, (t + rng.uniform(0.5, 1.5), 0, c, False))
+        else:
+            streak[c] += 1
+            worst = max(worst, streak[c])
+            heapq.heappush(events, (t + wait + rng.uniform(0, 0.05), 1, c, True))
+    return worst, min(served), sum(served)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_clients_honouring_retry_after_are_not_starved(seed):
+    """24 clients against 8 places. With a constant Retry-After of 1 s a client that just
+    finished takes back the place it freed, and unlucky clients are refused dozens of times in
+    a row; the drain-rate wait and held places cut the worst run of refusals and raise the
+    least-served client's share, at a small cost in requests served."""
+    worst, fewest, total = _simulate_clients("drain", seed)
+    worst_constant, fewest_constant, total_constant = _simulate_clients("constant", seed)
+    assert worst * 2 <= worst_constant and fewest > fewest_constant
+    assert total >= 0.85 * total_constant
+
+
+@pytest.fixture()
+def live(model_dirs):
+    """The app on a real uvicorn server in a thread (real sockets, so a client can hang up)."""
+    import uvicorn
+
+    from speclm.serve.process import free_port
+
+    opts = ServeOptions(model=str(model_dirs["target"]), dtype="float64", max_batch=4, max_queue=4,
+                        served_model_name="tiny")
+    app = build_app(opts)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    yield app, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=30)
+
+
+def test_non_streaming_request_is_aborted_when_its_client_hangs_up(live):
+    """The disconnect check used to run only when no token arrived for 0.5 s, so a
+    non-streaming request whose tokens kept coming ran to its end for nobody."""
+    import httpx
+
+    app, url = live
+    worker = app.state.speclm.worker
+    step = worker.engine.step
+
+    def slow_step():  # 20 ms a step: 200 tokens take seconds
+        time.sleep(0.02)
+        return step()
+
+    worker.engine.step = slow_step
+    body = {**COMPLETION, "max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.6)
+    hung_up = time.monotonic()
+    while worker.load and time.monotonic() < hung_up + 5:
+        time.sleep(0.01)
+    assert worker.load == 0 and time.monotonic() - hung_up < 1.0  # a step or so, not 4 s
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'speclm_requests_total{route="/v1/completions",status="499"} 1.0' in metrics
+    assert 'speclm_request_failures_total{reason="client_disconnect"} 1.0' in metrics
+    ok = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "max_tokens": 3}, timeout=30)
+    assert ok.status_code == 200

@@ -163,23 +163,30 @@ def test_client_disconnect_frees_its_row(server):
         assert "speclm_running_requests 0.0" in http.get("/metrics").text
 
 
+def _stream_in_thread(url: str, body: dict) -> tuple[threading.Thread, list[str]]:
+    """POST a streaming request from a thread; returns once its first line has arrived, with the
+    thread and the list its lines are appended to."""
+    lines, started = [], threading.Event()
+
+    def consume():
+        with httpx.stream("POST", url, json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                started.set()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    assert started.wait(30)
+    return reader, lines
+
+
 def test_graceful_shutdown_finishes_in_flight_streams(model_dirs, tmp_path):
     args = ["--model", str(model_dirs["target"]), "--dtype", "float64", "--shutdown-timeout", "30"]
     with serve_process(args, tmp_path) as srv:
         body = {"model": model_dirs["target"].name, "prompt": PROMPTS[0], "max_tokens": 200,
                 "temperature": 0, "stream": True, "ignore_eos": True,
                 "stream_options": {"include_usage": True}}
-        lines, started = [], threading.Event()
-
-        def consume():
-            with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
-                for line in r.iter_lines():
-                    lines.append(line)
-                    started.set()
-
-        reader = threading.Thread(target=consume)
-        reader.start()
-        assert started.wait(30)
+        reader, lines = _stream_in_thread(f"{srv.url}/v1/completions", body)
         code = stop(srv.proc, timeout=60)  # SIGTERM while the stream is running
         reader.join(timeout=30)
         events = [line for line in lines if line]
@@ -190,3 +197,33 @@ def test_graceful_shutdown_finishes_in_flight_streams(model_dirs, tmp_path):
         assert "Traceback" not in srv.output()
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{srv.url}/health", timeout=2)
+
+
+def test_shutdown_ends_streams_that_outlive_the_grace_period(tiny_tokenizer, tmp_path):
+    """SIGTERM during a long stream: new requests get 503 at once, and after the grace period
+    the stream ends with an error event and [DONE] (it used to be cut mid-body, with a
+    CancelledError traceback in the log)."""
+    import json
+
+    from tests.conftest import _save, tiny_model
+
+    folder = _save(tmp_path / "long", tiny_model(len(tiny_tokenizer), seed=0, max_positions=4096),
+                   tiny_tokenizer)
+    args = ["--model", str(folder), "--dtype", "float64", "--shutdown-timeout", "1", "--no-spec"]
+    with serve_process(args, tmp_path) as srv:
+        body = {"model": "long", "prompt": PROMPTS[0], "max_tokens": 4000, "temperature": 0,
+                "stream": True, "ignore_eos": True}
+        reader, lines = _stream_in_thread(f"{srv.url}/v1/completions", body)
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.4)  # the server is draining now
+        late = httpx.post(f"{srv.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2},
+                          timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(f"{srv.url}/health", timeout=10).status_code == 503
+        code = stop(srv.proc, timeout=60)
+        reader.join(timeout=30)
+        events = [line for line in lines if line]
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][len("data: "):])["error"]["code"] == "shutting_down"
+        assert code in (0, -signal.SIGTERM), srv.output()
+        assert "Traceback" not in srv.output() and "CancelledError" not in srv.output()

@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 from speclm.drafters.base import Draft
-from speclm.sampling import SamplingParams, warp_probs
+from speclm.sampling import SamplingParams, sample_token, warp_probs
 from speclm.verifier import acceptance_probs, residual_probs, verify
 
 V = 8
@@ -141,3 +141,34 @@ def test_warp_filters():
     assert (probs[0, :3] == 0).all() and probs[0, 3] > 0
     torch.testing.assert_close(probs[0, 3:], full[3:] / full[3:].sum())
     assert torch.equal(warp_probs(logits, SamplingParams()), torch.tensor([[0.0, 0, 0, 0, 1]], dtype=torch.float64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-20, 1e-6, 1e-5, 1e-3, 0.7, 2.0])
+def test_no_temperature_or_logit_scale_gives_nan(dtype, temperature):
+    """1/T overflowed in float32 (1e-40 sampled token 0 every time): temperatures below 1e-5 are
+    greedy, and no positive temperature or logit magnitude may produce NaN probabilities."""
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy == (temperature < 1e-5)
+    logits = torch.tensor([[1e30, -1e30, 0.0, 5.0, 1e30 - 1e24],
+                           [-1e30, -1e30, -1e30, -1e30, -2e30],
+                           [3.0, 1.0, 2.0, NEG, 0.5],
+                           [float("inf"), 1.0, float("inf"), 0.0, -1.0]], dtype=dtype)
+    probs = warp_probs(logits, params)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(4, dtype=probs.dtype))
+    draws = sample_token(probs.repeat(50, 1), torch.Generator().manual_seed(0)).view(50, 4)
+    assert (probs.repeat(50, 1).view(50, 4, -1).gather(-1, draws.unsqueeze(-1)) > 0).all()
+    if temperature <= 1e-3:  # the argmax wins every draw (ties: one of the tied tokens)
+        assert set(draws[:, 0].tolist()) == {0} and set(draws[:, 2].tolist()) == {0}
+        assert set(draws[:, 3].tolist()) <= {0, 2}
+
+
+def test_tiny_temperature_generates_the_greedy_text(model_dirs):
+    from speclm.api import LLM
+
+    llm = LLM(str(model_dirs["target"]), "ngram", 4, dtype="float64")
+    greedy = llm.generate("the quick brown fox", SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    for t in (1e-40, 1e-300):
+        out = llm.generate("the quick brown fox", SamplingParams(temperature=t, max_tokens=12,
+                                                                 ignore_eos=True, seed=3))[0]
+        assert out.token_ids == greedy.token_ids and out.text

@@ -13,13 +13,16 @@ import torch
 
 from .errors import SpeclmError
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as in vLLM): 1/T would overflow
+
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
     ``temperature == 0`` means greedy decoding (token-identical to plain greedy decoding under
-    speculation). ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes sampling
+    speculation); so does any temperature below ``GREEDY_BELOW`` (1e-5), where sampling is
+    greedy in all but name and ``logits / T`` would overflow. ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes sampling
     reproducible; ``None`` draws a fresh seed.
     """
 
@@ -55,7 +58,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def make_generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         """The request's only source of randomness."""
@@ -78,7 +81,11 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     logits = logits.to(dtype)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dtype)
-    logits = logits / params.temperature
+    # shift so each row's largest logit is 0 before scaling: (logits - max) / T is <= 0, so no
+    # temperature or logit magnitude can overflow to inf - inf = NaN (exp(0) = 1 keeps the sum
+    # positive); +inf logits (an overflowed low-precision model) tie at 0 instead of giving NaN
+    top = logits.amax(-1, keepdim=True)  # [N, 1]
+    logits = torch.where(logits == top, 0.0, logits - top) / params.temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [N, 1]

@@ -3,17 +3,17 @@
 Every request is validated completely (JSON, types, ranges, model name, prompt length against
 the context) before it is queued, so a user mistake is a 4xx with an OpenAI error body and a
 stream only starts once the request is known to be good. Streams are server-sent events in
-OpenAI's chunk format, ending with ``data: [DONE]``; a client that disconnects has its request
-aborted, which frees its batch row at the next step.
+OpenAI's chunk format, ending with ``data: [DONE]``. A client that disconnects (streaming or
+not) has its request aborted the moment the connection closes, which frees its batch row at the
+next step; it is counted as status 499. Bodies are parsed off the event loop, so one large
+request cannot stall the others. The Host check, the API key and the per-status counts are in
+:mod:`speclm.serve.guard`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
-import socket
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -21,19 +21,19 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import SpeclmError
+from .guard import DISCONNECTED, Guard
 from .metrics import ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, chunk_body,
                        completion_body, new_id, parse_request, speculation, sse, usage)
 from .worker import Event, EngineWorker
 
 log = logging.getLogger("speclm.serve")
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
-_POLL_S = 0.5  # how often a waiting handler checks whether its client is still there
 
 
 @dataclass
@@ -42,6 +42,9 @@ class ServerConfig:
     api_key: str | None = None
     max_body_bytes: int = 8 << 20
     shutdown_grace_s: float = 30.0
+    bind_host: str = "127.0.0.1"  # a Host header naming it is always served
+    allowed_hosts: tuple[str, ...] = ()  # more Host names served without a key ("*": any)
+    cors_origins: tuple[str, ...] = ()  # origins whose pages may call the API (none: no CORS)
 
 
 class ServerState:
@@ -51,7 +54,6 @@ class ServerState:
         self.llm, self.worker, self.metrics, self.config = llm, worker, metrics, config
         self.max_context = llm.target.max_context
         self.vocab_size = llm.target.vocab_size
-        self.server_id = f"{socket.gethostname()}:{os.getpid()}"
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -63,17 +65,24 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="speclm", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
-    app.add_middleware(_Guard, state=state)
+    app.state.speclm = state
+    app.add_middleware(Guard, state=state)
+    if state.config.cors_origins:  # outermost: preflights are answered before the Guard
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.cors_origins),
+                           allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
+        log.info("%s %s: %d %s", request.method, request.url.path, exc.status, exc.message)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: "
-                                     f"{exc.detail}", type=kind).body(), status_code=exc.status_code)
+                                     f"{exc.detail}", type=kind).body(), status_code=exc.status_code,
+                            headers=exc.headers)  # 405 keeps its Allow header
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
@@ -89,6 +98,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def health():
         if not state.worker.alive:
             raise APIError(503, "the engine is not running", type="server_error")
+        if state.worker.draining:  # load balancers: send new work elsewhere
+            raise APIError(503, "the server is shutting down", type="server_error",
+                           code="shutting_down")
         return {"status": "ok", "load": state.worker.load}
 
     @app.get("/metrics")
@@ -149,10 +161,22 @@ def _encode(state: ServerState, req) -> list[int]:
     return state.llm.encode(req.prompt)
 
 
+def _check_content_type(request: Request) -> None:
+    """JSON bodies only: a web page can send text/plain or a form to any origin without asking
+    (no CORS preflight), but not application/json."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise APIError(415, "the request body must be JSON, sent with 'Content-Type: "
+                       f"application/json' (got {media or 'none'!r})", code="unsupported_media_type")
+
+
 async def _generate(state: ServerState, request: Request, kind: str):
     arrival = time.perf_counter()
+    _check_content_type(request)
     raw = await _read_body(request, state.config.max_body_bytes)
-    req = parse_request(raw, ChatCompletionRequest if kind == "chat" else CompletionRequest)
+    # parsing a few MB of JSON takes a while: off the event loop, so other streams keep flowing
+    req = await run_in_threadpool(parse_request, raw,
+                                  ChatCompletionRequest if kind == "chat" else CompletionRequest)
     _check_model(state, req.model)
     try:
         prompt_ids = await run_in_threadpool(_encode, state, req)
@@ -170,7 +194,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
     except SpeclmError as exc:
         raise APIError(400, str(exc)) from None
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
-    handle = state.worker.submit(rid, prompt_ids, params)
+    retries = request.headers.get("x-stainless-retry-count", "0")  # sent by the openai clients
+    handle = state.worker.submit(rid, prompt_ids, params, retry=retries.isdigit() and int(retries) > 0)
     timing = _Timing(state, arrival, n)
     events = _events(state, request, handle)
     if req.stream:
@@ -178,13 +203,16 @@ async def _generate(state: ServerState, request: Request, kind: str):
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     text, last = [], None
-    async for event in events:
-        if event.error is not None:
-            raise event.error
-        timing.on_event(event)
-        text.append(event.text)
-        last = event
-    if last is None:  # the client went away; nobody reads this
+    try:
+        async for event in events:
+            if event.error is not None:
+                raise event.error
+            timing.on_event(event)
+            text.append(event.text)
+            last = event
+    finally:
+        await events.aclose()
+    if last is None:  # the client went away; nobody reads this (counted as 499)
         return Response(status_code=499)
     return completion_body(kind, rid, state.config.model_name, "".join(text), last.finish_reason,
                            last.stats)
@@ -208,46 +236,58 @@ class _Timing:
 
 
 async def _events(state: ServerState, request: Request, handle) -> AsyncIterator[Event]:
-    """The request's events until it finishes or fails; aborts it if the client disconnects
-    or the consumer stops early."""
+    """The request's events until it finishes or fails. If the client disconnects (noticed the
+    moment its connection closes, while tokens flow or not) or the consumer stops early, the
+    request is aborted, which frees its row at the engine's next step."""
+    watcher = asyncio.ensure_future(_disconnect(request))
     getter: asyncio.Future | None = None
     finished = False
     try:
         while True:
             if getter is None:
                 getter = asyncio.ensure_future(handle.events.get())
-            done, _ = await asyncio.wait({getter}, timeout=_POLL_S)
-            if getter not in done:
-                if await request.is_disconnected():
-                    return
-                continue
+            await asyncio.wait({getter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if watcher.done():
+                return
             event, getter = getter.result(), None
             finished = event.finish_reason is not None or event.error is not None
             yield event
             if finished:
                 return
     finally:
+        watcher.cancel()
         if getter is not None:
             getter.cancel()
-        if not finished:
+        if not finished:  # nobody will read the rest: the client went away
             state.worker.abort(handle.request_id)
+            request.scope.setdefault("state", {})[DISCONNECTED] = True
+            state.metrics.failures.labels("client_disconnect").inc()
+            log.info("%s: the client went away; request aborted", handle.request_id)
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the client's connection closes (the body has been read by then, so the
+    next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream(state: ServerState, req, kind: str, rid: str, events: AsyncIterator[Event],
                   timing: _Timing) -> AsyncIterator[bytes]:
     model = state.config.model_name
+    usage_field = req.include_usage  # then every chunk has "usage": null but the usage chunk
     try:
         if kind == "chat":
-            yield sse(chunk_body(kind, rid, model, "", None, first=True))
+            yield sse(chunk_body(kind, rid, model, "", None, first=True, usage_field=usage_field))
         async for event in events:
             if event.error is not None:
                 yield sse(event.error.body())
                 break
             timing.on_event(event)
             if event.text:
-                yield sse(chunk_body(kind, rid, model, event.text, None))
+                yield sse(chunk_body(kind, rid, model, event.text, None, usage_field=usage_field))
             if event.finish_reason is not None:
-                final = chunk_body(kind, rid, model, None, event.finish_reason)
+                final = chunk_body(kind, rid, model, None, event.finish_reason, usage_field=usage_field)
                 final["speclm"] = speculation(event.stats)
                 yield sse(final)
                 if req.include_usage:
@@ -257,44 +297,3 @@ async def _stream(state: ServerState, req, kind: str, rid: str, events: AsyncIte
         yield sse("[DONE]")
     finally:
         await events.aclose()
-
-
-class _Guard:
-    """ASGI middleware: bearer-token auth (every route but /health), per-route request counts,
-    and a header naming the server process (which replica answered, under Ray)."""
-
-    def __init__(self, app, state: ServerState) -> None:
-        self.app, self.state = app, state
-        key = state.config.api_key
-        self._expected = f"Bearer {key}".encode() if key else None
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope["path"]
-        route = path if path in ROUTES else ("/v1/models" if path.startswith("/v1/models/") else "other")
-        status = [500]
-        server_header = (b"x-speclm-server", self.state.server_id.encode())
-
-        async def send_wrapper(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-                message["headers"] = [*message.get("headers", []), server_header]
-            await send(message)
-
-        try:
-            if self._expected is not None and path != "/health" and not self._authorized(scope):
-                error = APIError(401, "missing or incorrect API key: send 'Authorization: Bearer "
-                                 "<key>'", code="invalid_api_key")
-                await JSONResponse(error.body(), status_code=401,
-                                   headers={"WWW-Authenticate": "Bearer"})(scope, receive, send_wrapper)
-                return
-            await self.app(scope, receive, send_wrapper)
-        finally:
-            self.state.metrics.requests.labels(route, str(status[0])).inc()
-
-    def _authorized(self, scope) -> bool:
-        for name, value in scope.get("headers", []):
-            if name == b"authorization":
-                return hmac.compare_digest(value, self._expected)
-        return False

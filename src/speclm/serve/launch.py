@@ -6,7 +6,7 @@ import argparse
 import functools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SpeclmError
@@ -33,6 +33,9 @@ class ServeOptions:
     served_model_name: str | None = None
     max_body_bytes: int = 8 << 20
     shutdown_grace_s: float = 30.0
+    host: str = "127.0.0.1"  # the bound address: a Host header naming it is served
+    allowed_hosts: list[str] = field(default_factory=list)  # more Host names, without a key
+    cors_origins: list[str] = field(default_factory=list)
 
     def check(self) -> None:
         """Fail on bad values before any model is loaded."""
@@ -47,6 +50,14 @@ class ServeOptions:
             raise SpeclmError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.api_key is not None and not self.api_key.strip():
             raise SpeclmError("--api-key is empty")
+        if self.max_body_bytes < 1024:
+            raise SpeclmError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.shutdown_grace_s < 0:
+            raise SpeclmError(f"--shutdown-timeout must be >= 0, got {self.shutdown_grace_s}")
+        for origin in self.cors_origins:
+            if origin != "*" and not origin.startswith(("http://", "https://")):
+                raise SpeclmError(f"--cors-allow-origin takes an origin such as "
+                                  f"'https://app.example.com' or '*', got {origin!r}")
 
     def model_name(self) -> str:
         if self.served_model_name:
@@ -84,7 +95,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: $SPECLM_API_KEY, else none)")
     v.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM/Ctrl-C, seconds to let in-flight requests finish before "
-                        "cancelling them (default: %(default)s)")
+                        "ending each with an error (default: %(default)s)")
+    v.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="without --api-key, requests are served only if their Host header names "
+                        "a loopback address, localhost or the --host address (DNS-rebinding "
+                        "protection); allow another name (repeatable; '*': any)")
+    v.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages from ORIGIN call the API from a browser (repeatable; "
+                        "'*': any; default: none, no CORS headers)")
+    v.add_argument("--max-body-bytes", type=int, default=8 << 20,
+                   help="largest request body; larger ones get 413 (default: %(default)s)")
     v.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     r = p.add_argument_group("Ray Serve (scale-out)")
     r.add_argument("--ray", action="store_true", help="run as Ray Serve replicas instead")
@@ -103,7 +123,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         speculative=not args.no_spec, draft_max=args.draft_max, adaptive=args.adaptive,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_batch=args.max_batch,
         max_queue=args.max_queue, api_key=args.api_key, served_model_name=args.served_model_name,
-        shutdown_grace_s=args.shutdown_timeout,
+        shutdown_grace_s=args.shutdown_timeout, host=args.host,
+        allowed_hosts=args.allowed_host, cors_origins=args.cors_allow_origin,
+        max_body_bytes=args.max_body_bytes,
     )
     opts.check()
     if not 0 < args.port < 65536:
@@ -134,7 +156,9 @@ def build_app(opts: ServeOptions):
                          drafter_name=name)
     metrics = ServerMetrics()
     worker = EngineWorker(engine, llm.tokenizer, metrics, max_queue=opts.max_queue)
-    config = ServerConfig(opts.model_name(), opts.api_key, opts.max_body_bytes, opts.shutdown_grace_s)
+    config = ServerConfig(opts.model_name(), opts.api_key, opts.max_body_bytes, opts.shutdown_grace_s,
+                          bind_host=opts.host, allowed_hosts=tuple(opts.allowed_hosts),
+                          cors_origins=tuple(opts.cors_origins))
     return create_app(ServerState(llm, worker, metrics, config))
 
 
@@ -157,11 +181,41 @@ def run(args: argparse.Namespace) -> int:
         from .ray_app import run_ray
 
         return run_ray(opts, args)
-    import uvicorn
-
+    if opts.api_key is None and not _is_loopback(args.host):
+        logging.getLogger("speclm.serve").warning(
+            "listening on %s without --api-key: anyone who can reach it can use it; requests "
+            "are served only for Host names allowed by --allowed-host", args.host)
     app = build_app(opts)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=opts.shutdown_grace_s, access_log=False)
-    server = uvicorn.Server(config)
+    server = _drain_first_server(app, args, opts.shutdown_grace_s)
     server.run()
     return 0 if server.started else 1
+
+
+def _is_loopback(host: str) -> bool:
+    from .guard import host_allowed
+
+    return host_allowed(host if ":" not in host else f"[{host}]", ())
+
+
+def _drain_first_server(app, args: argparse.Namespace, grace_s: float):
+    """A uvicorn server whose shutdown drains speclm's requests before closing connections.
+
+    uvicorn's own graceful shutdown waits for connections and then cancels the handlers, which
+    cuts a running stream mid-body. Here, on SIGTERM/Ctrl-C, the engine first stops admitting
+    (new requests and /health get 503), lets running requests finish for up to ``grace_s``, and
+    ends the rest with an error event and ``[DONE]`` (a 503 body when not streaming); only then
+    does uvicorn close the now idle connections."""
+    import asyncio
+
+    import uvicorn
+
+    class DrainFirstServer(uvicorn.Server):
+        async def shutdown(self, sockets=None) -> None:
+            worker = app.state.speclm.worker
+            await asyncio.to_thread(worker.stop, grace_s)
+            await asyncio.sleep(0.2)  # let the handlers write the events the stop sent them
+            await super().shutdown(sockets)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5, access_log=False)
+    return DrainFirstServer(config)

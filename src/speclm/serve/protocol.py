@@ -13,12 +13,13 @@ import time
 import uuid
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..sampling import SamplingParams
 from ..stats import RequestStats
 
 MAX_STOP_STRINGS = 4
+MAX_MESSAGES = 2048  # checked before validation: a huge list of tiny messages costs CPU, not bytes
 
 
 class APIError(Exception):
@@ -63,13 +64,25 @@ class _Request(BaseModel):
     top_k: int = Field(0, ge=0)
     ignore_eos: bool = False
 
-    @field_validator("n", "presence_penalty", "frequency_penalty", "logit_bias")
+    @field_validator("n")
     @classmethod
-    def _no_op_only(cls, value, info):
-        if value not in (None, 0, 0.0, {}) and not (info.field_name == "n" and value == 1):
-            allowed = "1" if info.field_name == "n" else "0 or absent"
-            raise ValueError(f"only {allowed} is supported")
+    def _one_choice(cls, value):
+        if value not in (None, 1):
+            raise ValueError("only 1 is supported")
         return value
+
+    @field_validator("presence_penalty", "frequency_penalty", "logit_bias")
+    @classmethod
+    def _no_op_only(cls, value):
+        if value not in (None, 0, 0.0, {}):
+            raise ValueError("only 0 or absent is supported")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -137,6 +150,13 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: Union[str, list[ContentPart], None] = Field(None, union_mode="left_to_right")
 
+    @model_validator(mode="after")
+    def _content_required(self):
+        # only an assistant turn may have no content (OpenAI: one that made tool calls)
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs content")
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text or "" for part in self.content)
@@ -144,7 +164,7 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Request):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -181,8 +201,21 @@ def parse_request(raw: bytes, kind: type[_Request]) -> _Request:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    messages = data.get("messages")
+    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
+        raise APIError(400, f"messages: at most {MAX_MESSAGES} messages per request "
+                       f"({len(messages)} sent)", param="messages")
+    try:  # JSON escapes can spell lone surrogates ("\ud800"), which no tokenizer can encode
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, "the request contains a string that is not valid Unicode (a lone "
+                       "surrogate escape such as \\ud800)") from None
+    except RecursionError:
+        raise APIError(400, "the request body is nested too deeply") from None
     try:
         return kind.model_validate(data)
     except ValidationError as exc:
@@ -230,8 +263,10 @@ def completion_body(kind: str, rid: str, model: str, text: str, finish: str, sta
 
 
 def chunk_body(kind: str, rid: str, model: str, text: str | None, finish: str | None,
-               *, first: bool = False) -> dict:
-    """One streamed event; ``text=None`` sends an empty delta (the finishing chunk)."""
+               *, first: bool = False, usage_field: bool = False) -> dict:
+    """One streamed event; ``text=None`` sends an empty delta (the finishing chunk).
+    ``usage_field``: the client asked for usage, so this chunk says ``"usage": null`` (the
+    usage chunk after the last one carries the numbers)."""
     created = int(time.time())
     if kind == "chat":
         delta: dict = {}
@@ -244,7 +279,10 @@ def chunk_body(kind: str, rid: str, model: str, text: str | None, finish: str | 
     else:
         choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
         obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    body = {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    if usage_field:
+        body["usage"] = None
+    return body
 
 
 def sse(data: dict | str) -> bytes:

@@ -1,7 +1,8 @@
 """The engine thread: one loop doing batched steps, fed by the asyncio side through queues.
 
 Handlers call :meth:`EngineWorker.submit` (which refuses at once when the bounded queue is
-full or the server is stopping) and read :class:`Event` s from the returned handle's asyncio
+full, with a ``Retry-After`` from the drain rate (:mod:`speclm.serve.admission`), or when the
+server is stopping) and read :class:`Event` s from the returned handle's asyncio
 queue; the thread owns the engine, turns each step's tokens into text (stop strings included)
 and hands the events back with ``loop.call_soon_threadsafe``. An exception inside a step fails
 the requests of that batch with a 500 error and resets the engine; the thread keeps serving.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -21,6 +23,7 @@ from ..detokenize import IncrementalDetokenizer
 from ..errors import SpeclmError
 from ..sampling import SamplingParams
 from ..stats import RequestStats
+from .admission import Admission
 from .metrics import ServerMetrics
 from .protocol import APIError
 
@@ -58,6 +61,7 @@ class EngineWorker:
         self.metrics = metrics
         self.capacity = engine.max_batch + max_queue  # requests admitted at once, queue included
         self._handles: dict[str, RequestHandle] = {}
+        self.admission = Admission(engine.max_batch)
         self._inbox: deque[tuple] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -66,18 +70,23 @@ class EngineWorker:
         self._thread: threading.Thread | None = None
 
     # -- asyncio side ----------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestHandle:
-        """Queue a request; raises :class:`APIError` 503 when stopping, 429 when full."""
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               *, retry: bool = False) -> RequestHandle:
+        """Queue a request; raises :class:`APIError` 503 when stopping, 429 when full (with a
+        wait from :class:`~speclm.serve.admission.Admission`). ``retry``: the client says this
+        is a retry after a 429, so it may take a place held for refused clients."""
         handle = RequestHandle(request_id, asyncio.get_running_loop())
         with self._lock:
             if self._draining or not self.alive:
                 raise APIError(503, "the server is shutting down", type="server_error",
                                code="shutting_down")
-            if len(self._handles) >= self.capacity:
+            wait = self.admission.admit(len(self._handles), self.capacity, retry)
+            if wait is not None:
                 raise APIError(429, f"the server is at capacity ({self.engine.max_batch} running, "
-                               f"{self.capacity - self.engine.max_batch} queued); retry later",
-                               type="rate_limit_error", code="queue_full",
-                               headers={"Retry-After": "1"})
+                               f"{self.capacity - self.engine.max_batch} queued); retry in "
+                               f"{wait:.1f} s", type="rate_limit_error", code="queue_full",
+                               headers={"Retry-After": str(math.ceil(wait)),
+                                        "retry-after-ms": str(round(wait * 1000))})
             self._handles[request_id] = handle
             self._inbox.append(("add", request_id, prompt_ids, params))
         self._wake.set()
@@ -96,6 +105,11 @@ class EngineWorker:
     @property
     def load(self) -> int:
         return len(self._handles)
+
+    @property
+    def draining(self) -> bool:
+        """Shutting down: new requests are refused (503)."""
+        return self._draining
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -160,8 +174,7 @@ class EngineWorker:
                 item = self._inbox.popleft()
             if item[0] == "abort":
                 self.engine.abort(item[1])
-                with self._lock:
-                    self._handles.pop(item[1], None)
+                self._release(item[1])
                 continue
             _, request_id, prompt_ids, params = item
             handle = self._handles.get(request_id)
@@ -186,13 +199,19 @@ class EngineWorker:
             if handle.detok.stopped:
                 self.engine.abort(request_id)  # a stop string ended it: free the row now
             stats.generated_tokens = handle.delivered
-            with self._lock:
-                self._handles.pop(request_id, None)
+            self._release(request_id)
         self._send(handle, Event(text, kept, finish, stats))
 
-    def _fail(self, request_id: str, error: APIError) -> None:
+    def _release(self, request_id: str) -> RequestHandle | None:
+        """The request leaves: its place is free (and counts towards the drain rate)."""
         with self._lock:
             handle = self._handles.pop(request_id, None)
+        if handle is not None:
+            self.admission.finished()
+        return handle
+
+    def _fail(self, request_id: str, error: APIError) -> None:
+        handle = self._release(request_id)
         self.metrics.failures.labels(error.code or str(error.status)).inc()
         if handle is not None:
             self._send(handle, Event("", [], None, None, error))
