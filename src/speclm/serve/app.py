@@ -262,7 +262,7 @@ async def _events(state: ServerState, request: Request, handle) -> AsyncIterator
             state.worker.abort(handle.request_id)
             request.scope.setdefault("state", {})[DISCONNECTED] = True
             state.metrics.failures.labels("client_disconnect").inc()
-            log.info("%s: the client went away; request aborted", handle.request_id)
+            log.info("%s: 499 the client went away; request aborted", handle.request_id)
 
 
 async def _disconnect(request: Request) -> None:
