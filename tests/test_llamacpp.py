@@ -194,3 +194,19 @@ def test_bench_peers_match_llamacpp_plain(llm):
     assert by["llamacpp"]["identical"] and by["ngram"]["identical"]
     assert by["llamacpp-lookup"]["tokens"] > 0 and by["ngram"]["vs_baseline"] > 0
     assert by["plain:backend=torch"]["reference"] == "plain:backend=torch"  # its own engine
+
+
+def test_llamacpp_logs_are_silent_unless_verbose(capfd):
+    from speclm.models.llamacpp import LlamaCppLM, LlamaCppModel, set_native_logging
+    from speclm.models.loading import find_gguf
+
+    gguf = find_gguf("default")
+    capfd.readouterr()
+    LlamaCppLM(LlamaCppModel(gguf), frozenset()).forward(torch.tensor([1, 2, 3]), 0)
+    assert capfd.readouterr().err == ""  # the loader and context logs are dropped
+    set_native_logging(True)
+    try:
+        LlamaCppLM(LlamaCppModel(gguf), frozenset())
+    finally:
+        set_native_logging(False)
+    assert "llama" in capfd.readouterr().err  # --verbose shows them

@@ -72,6 +72,9 @@ def add_backend_flags(g: argparse._ArgumentGroup) -> None:
                         "first request pays the compile (one time)")
     g.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only quantization of the linear layers on the torch fast path")
+    g.add_argument("--verbose", "-v", action="store_true",
+                   help="show llama.cpp's own loader and context logs (silent otherwise) and the "
+                        "measured cost model (verify cost per tokens fed) that the draft length uses")
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -166,6 +169,9 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 def _make_llm(args: argparse.Namespace):
     from .api import LLM  # heavy imports only after the flags are known to be valid
+    from .models.llamacpp import set_native_logging
+
+    set_native_logging(args.verbose)
 
     from .draft_length import DraftLengthConfig
     from .drafters.registry import KINDS, parse_drafter
@@ -268,14 +274,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             else:
                 at = next((i for i, (a, b) in enumerate(zip(ids, plain_ids)) if a != b),
                           min(len(ids), len(plain_ids)))
-                verdict = (f"DIFFERENT from generated token {at} (a bug, or a float rounding "
-                           "near-tie between the top two tokens; try --dtype float64)")
+                verdict = f"DIFFERENT from generated token {at} ({_mismatch_advice(llm)})"
             print(f"plain decoding: {plain.stats.generated_tokens} tokens, "
                   f"{plain.stats.tokens_per_s:.1f} tok/s\nspeedup: {speedup:.2f}x; outputs {verdict}",
                   file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _mismatch_advice(llm) -> str:
+    """What a greedy mismatch may mean and how to check it, for the backend that ran."""
+    import torch
+
+    backend = llm.backend_name
+    if backend == "llamacpp":
+        return ("a bug, or a near-tie between the top two tokens: llama.cpp's quantized kernels "
+                "round a one-token step and a multi-token verify differently; for an exact check "
+                "run the same prompt with --backend torch --dtype float64")
+    if llm.target.dtype == torch.float64:
+        return "float64 leaves no room for rounding: a bug, please report it"
+    extra = " without --compile/--quantize" if backend != "torch" else ""
+    return ("a bug, or a float rounding near-tie between the top two tokens; "
+            f"try --backend torch --dtype float64{extra}")
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:

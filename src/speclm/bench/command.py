@@ -120,11 +120,14 @@ def run(args: argparse.Namespace) -> int:
     from .report import drafter_notes, markdown, mismatches, summarize_all, write_outputs
     from .runner import run_bench
 
+    from ..models.llamacpp import set_native_logging
     from .runner import EnginePool
+
+    set_native_logging(args.verbose)
 
     pool = EnginePool(args.model, args.device, (args.backend, int(args.compile), args.quantize, args.dtype),
                       args.gguf_file)
-    llm = pool.get()
+    llm = pool.get(pool.engine_of(next((s for s in specs if not s.is_peer), specs[0])))  # for the header
     results = run_bench(pool, specs, prompts, params, warmup=not args.no_warmup, baseline=args.baseline)
     summary = summarize_all(results, specs)
     mode = "greedy" if params.greedy else f"temperature {params.temperature}"
