@@ -92,16 +92,19 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                             "eagle:path=DIR, auto (see below)")
     which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
     d.add_argument("--draft-max", type=_positive(int), default=None,
-                   help="K, most tokens drafted per round (default: the drafter's own: 10 for "
+                   help="K, most tokens drafted per round: the adaptive policy's upper bound, "
+                        "or every round's K with --no-adaptive (default: the drafter's own: 10 for "
                         "--ngram, suffix and auto, whose drafts cost little; 5 for a draft model; "
                         "3 for layerskip and early-exit; 2 for recycle)")
     d.add_argument("--draft-min", type=_positive(int), default=0,
                    help="drop drafts shorter than this (default: %(default)s)")
     d.add_argument("--draft-p-min", type=_positive(float), default=0.0,
                    help="draft model stops when its top probability is below this (default: off)")
-    d.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
-                   help="choose K each round from measured acceptance and step costs, drafting "
-                        "nothing when speculation would not pay (default: off; see docs)")
+    d.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose K (up to --draft-max) each round from the live acceptance and the "
+                        "target's measured cost model (timed once per model and backend, cached), "
+                        "drafting nothing when speculation would not pay; --no-adaptive drafts "
+                        "--draft-max every round (default: on)")
     d.add_argument("--async", dest="async_draft", action="store_true",
                    help="speculative speculative decoding: while the target verifies, the draft "
                         "model drafts the next round for the likeliest outcomes (draft models only)")
@@ -256,7 +259,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         if not args.quiet:
-            print(stats.summary(), file=sys.stderr)
+            print(stats.summary(args.verbose), file=sys.stderr)
     if args.compare:
         plain_ids, plain = [], None
         for plain in llm.stream(prompt, params, speculative=False):
@@ -324,7 +327,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             history.clear()
             continue
         if command == "/stats":
-            print(last.summary() if last else "no answer yet", file=sys.stderr)
+            print(last.summary(args.verbose) if last else "no answer yet", file=sys.stderr)
             continue
         answer, chunk = [], None
         try:
@@ -341,7 +344,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         history += [{"role": "user", "content": line}, {"role": "assistant", "content": "".join(answer)}]
         last = chunk.stats if chunk is not None else last
         if args.stats:
-            print(last.summary(), file=sys.stderr)
+            print(last.summary(args.verbose), file=sys.stderr)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

@@ -1,10 +1,11 @@
 """Method specs for the benchmark: ``name[:key=value,...]``, checked before any model loads.
 
     plain                            speclm plain decoding (the baseline every speedup uses)
-    DRAFTER[:options,k=K,adaptive=0] any speclm drafter (drafters/registry.py: ngram, suffix,
+    DRAFTER[:options,k=K,adaptive=1] any speclm drafter (drafters/registry.py: ngram, suffix,
                                      recycle, layerskip, early-exit, draft, distilled, auto) with
-                                     its options, its draft length K (default: the drafter's)
-                                     and adaptive K
+                                     its options, its draft length K (default: the drafter's;
+                                     the adaptive policy's upper bound) and adaptive=0 for a
+                                     fixed K
     oracle:a=0.7[,k=4]               replays the target's greedy continuation, each token kept
                                      with probability a (acceptance controlled exactly)
     hf                               transformers generate(), plain
@@ -34,7 +35,7 @@ ENGINE_OPTIONS = {"backend": (str, None), "compile": (int, None), "quantize": (s
 # name -> {option: (type, default)}
 _SCHEMA: dict[str, dict[str, tuple[type, object]]] = {
     "plain": {**ENGINE_OPTIONS},
-    **{name: {**kind.options, "k": (int, kind.default_k), "adaptive": (int, 0), **ENGINE_OPTIONS}
+    **{name: {**kind.options, "k": (int, kind.default_k), "adaptive": (int, 1), **ENGINE_OPTIONS}
        for name, kind in KINDS.items()},
     "oracle": {"a": (float, REQUIRED), "k": (int, 4), "seed": (int, 0), **ENGINE_OPTIONS},
     "hf": {},
