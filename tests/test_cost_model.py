@@ -69,6 +69,11 @@ def test_measure_recovers_the_cost_curve_and_leaves_the_cache_empty():
     assert target.cache_length == 0
     narrow = cm.measure(FakeBackend(FLAT), max_width=11)
     assert narrow.widths[-1] == 11
+    slow = FakeBackend(lambda t: 0.5 * (1 + 0.3 * (t - 1)))  # half a second a step
+    few = cm.measure(slow, clock=slow.clock, budget_s=3.0)
+    assert few.widths[:2] == [1, 2] and len(few.widths) < len(cm.WIDTHS) and few.asked == 32
+    assert slow.clock.now < 3.0 + 2 * 2 * 0.5 * (1 + 0.3 * 31)  # stops adding widths at the budget
+    assert abs(few.ratio(32) - (1 + 0.3 * 31)) < 1e-9  # the rest extrapolated along the line
     assert "plain step 10.00 ms" in model.summary() and "1 + 0.80 (T - 1)" in model.summary()
 
 

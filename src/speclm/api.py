@@ -219,7 +219,7 @@ class LLM:
         """The target's verify cost (seconds per forward of T tokens, T up to ``max_width``):
         cached per model file, backend, dtype, threads and device, else measured now (a few
         seconds, once) and cached (speclm.cost_model)."""
-        if self._cost is None or self._cost.widths[-1] < min(max_width, WIDTHS[-1]):
+        if self._cost is None or self._cost.asked < min(max_width, WIDTHS[-1]):
             model_file = getattr(getattr(self.target, "weights", None), "path", None) or self._loaded.path
             self._cost = cost_model(self.target, model_file, max_width=max(max_width, 2))
         return self._cost

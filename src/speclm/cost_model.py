@@ -34,6 +34,7 @@ import torch
 
 VERSION = 1  # of the measurement: caches of another version are measured again
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # tokens per forward (1 + K)
+_PRIORITY = (1, 2, 4, 8, 16, 32, 3, 6, 12, 24)  # the same, in the order they are measured
 _CONTEXT = 48  # tokens prefilled before timing (a short prompt's worth)
 
 
@@ -47,6 +48,7 @@ class CostModel:
     key: dict = field(default_factory=dict)
     origin: str = "measured"  # "measured" now, or "cached"
     measure_s: float = 0.0  # wall time the measurement took
+    asked: int = 0  # the widest forward asked for (a slow model may have measured fewer)
 
     @property
     def plain_s(self) -> float:
@@ -81,7 +83,7 @@ class CostModel:
         return sum(x * y for x, y in zip(xs, ys)) / den if den else 0.0
 
     def summary(self) -> str:
-        shown = [t for t in (2, 4, 8, 16, 32) if t <= self.widths[-1]]
+        shown = [t for t in (2, 4, 8, 16, 32) if t <= max(self.widths[-1], self.asked)]
         ratios = ", ".join(f"v({t}) {self.ratio(t):.2f}" for t in shown)
         how = (f"measured in {self.measure_s:.1f} s" if self.origin == "measured" else "cached")
         return (f"verify cost ({how}; {self.key.get('backend', '?')}, {self.key.get('threads', '?')} "
@@ -98,14 +100,17 @@ def measure(target, *, max_width: int = WIDTHS[-1], budget_s: float = 3.0, min_r
     prefill of a short context, rounds interleaved over the widths, until each width has
     ``min_reps`` timings or ``budget_s`` is spent (at least one each). The target's cache is
     left empty. ``clock`` is replaceable for tests (a fake backend advancing a fake clock)."""
-    widths = sorted({w for w in WIDTHS if w <= max_width} | {max(1, min(max_width, WIDTHS[-1]))})
-    context = min(_CONTEXT, max(1, target.max_context - widths[-1] - 1))
-    ids = torch.arange(context + widths[-1], dtype=torch.long) % max(2, target.vocab_size - 1) + 1
+    top = max(2, min(max_width, WIDTHS[-1]))
+    # in order of use to the fit, so that a slow model measured within the budget keeps the
+    # widths that matter (1, 2, then doubling) and extrapolates the rest
+    order = list(dict.fromkeys([w for w in _PRIORITY if w <= top] + [top]))
+    context = min(_CONTEXT, max(1, target.max_context - top - 1))
+    ids = torch.arange(context + top, dtype=torch.long) % max(2, target.vocab_size - 1) + 1
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda *a: None)
     start = clock()
     target.reset()
     target.forward(ids[:context], 0)
-    times: dict[int, list[float]] = {w: [] for w in widths}
+    times: dict[int, list[float]] = {}
 
     def once(width: int) -> float:
         t0 = clock()
@@ -116,21 +121,24 @@ def measure(target, *, max_width: int = WIDTHS[-1], budget_s: float = 3.0, min_r
         return elapsed
 
     try:
-        for w in widths:  # warm-up: first calls pay allocations (and compiles)
+        for w in order:  # warm-up (first calls pay allocations and compiles) and a first timing
             once(w)
+            times[w] = [once(w)]
+            if len(times) >= 2 and clock() - start > budget_s:
+                break
+        widths = sorted(times)
         timed_from = clock()
-        while True:
+        while clock() - start <= budget_s:
             for w in widths:
                 times[w].append(once(w))
-            enough = min(len(v) for v in times.values()) >= min_reps
-            if enough or clock() - timed_from > budget_s:
+            if min(len(v) for v in times.values()) >= min_reps or clock() - timed_from > budget_s:
                 break
     finally:
         target.reset()
     seconds = [statistics.median(times[w]) for w in widths]
     for i in range(1, len(seconds)):  # a wider forward never costs less (noise at small T)
         seconds[i] = max(seconds[i], seconds[i - 1])
-    return CostModel(widths, seconds, origin="measured", measure_s=clock() - start)
+    return CostModel(widths, seconds, origin="measured", measure_s=clock() - start, asked=top)
 
 
 def cost_key(target, model_file: Path | None) -> dict | None:
@@ -162,10 +170,11 @@ def load_cached(key: dict, max_width: int) -> CostModel | None:
     """The cached curve for ``key`` if it exists, is of this version and reaches ``max_width``."""
     try:
         data = json.loads(cache_path(key).read_text())
-        model = CostModel(data["widths"], data["seconds"], data["key"], "cached", data.get("measure_s", 0.0))
+        model = CostModel(data["widths"], data["seconds"], data["key"], "cached", data["measure_s"],
+                          data["asked"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if model.key != key or model.widths[-1] < min(max_width, WIDTHS[-1]) or not model.seconds:
+    if model.key != key or model.asked < min(max_width, WIDTHS[-1]) or not model.seconds:
         return None
     return model
 
