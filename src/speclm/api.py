@@ -13,7 +13,7 @@ from typing import Union
 
 import torch
 
-from .cost_model import WIDTHS, CostModel, cost_model
+from .cost_model import WIDTHS, CostModel, cost_model, model_file
 from .detokenize import IncrementalDetokenizer
 from .draft_length import DraftLengthConfig
 from .drafters import DraftModelDrafter, Drafter, check_vocab_compatible
@@ -220,8 +220,8 @@ class LLM:
         cached per model file, backend, dtype, threads and device, else measured now (a few
         seconds, once) and cached (speclm.cost_model)."""
         if self._cost is None or self._cost.asked < min(max_width, WIDTHS[-1]):
-            model_file = getattr(getattr(self.target, "weights", None), "path", None) or self._loaded.path
-            self._cost = cost_model(self.target, model_file, max_width=max(max_width, 2))
+            self._cost = cost_model(self.target, model_file(self.target, self._loaded.path),
+                                    max_width=max_width)
         return self._cost
 
     # -- prompts ---------------------------------------------------------------------------

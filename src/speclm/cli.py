@@ -19,7 +19,7 @@ from .sampling import SamplingParams
 
 EXIT_USAGE = 2
 _DRAFTERS_HELP = """drafters (--drafter NAME[:key=value,...]):
-  ngram[:min=2,max=3]             prompt lookup in the request's own text (the default)
+  ngram[:min=2,max=3]             prompt lookup in the request's own text
   suffix[:capacity=262144,factor=1]  suffix matching over every prompt and output of the session
   recycle[:topk=8]                token recycling: the target's own top-k from earlier verifies
   layerskip[:skip=3,5-9]          the target minus some layers; without skip= the set is searched
@@ -27,9 +27,10 @@ _DRAFTERS_HELP = """drafters (--drafter NAME[:key=value,...]):
   early-exit[:layers=N]           the target's first N layers (default: a third)
   draft:path=DIR[,p_min=P]        a smaller model with the target's tokenizer (= --draft-model)
   distilled[:path=DIR]            the draft model `speclm distill` made for this target
-  auto[:candidates=a,b,...]       measure candidates on the live requests, keep the fastest
-                                  (default: none, ngram, suffix, recycle, plus layerskip and
-                                  distilled where already prepared for this model)"""
+  auto[:candidates=a,b,...]       the default: measure candidates on the live requests, keep the
+                                  fastest, remember the choice per model (default candidates:
+                                  none = plain decoding, ngram, suffix, recycle, plus layerskip
+                                  and distilled where already prepared for this model)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,19 +83,19 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("speculative decoding")
     which = d.add_mutually_exclusive_group()
     which.add_argument("--ngram", action="store_true",
-                       help="draft by prompt lookup (n-gram match in prompt + output); the default")
+                       help="draft by prompt lookup (n-gram match in prompt + output) only")
     which.add_argument("--draft-model", metavar="PATH",
                        help="draft with a smaller model sharing the target's tokenizer "
                             "(HF folder, .gguf, or 'default')")
     which.add_argument("--drafter", metavar="NAME[:OPTS]",
                        help="a drafter by name: ngram, suffix, recycle, layerskip[:skip=3,5-9], "
                             "early-exit[:layers=N], draft:path=DIR, distilled, medusa:path=DIR, "
-                            "eagle:path=DIR, auto (see below)")
+                            "eagle:path=DIR, auto (the default; see below)")
     which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
     d.add_argument("--draft-max", type=_positive(int), default=None,
                    help="K, most tokens drafted per round: the adaptive policy's upper bound, "
                         "or every round's K with --no-adaptive (default: the drafter's own: 10 for "
-                        "--ngram, suffix and auto, whose drafts cost little; 5 for a draft model; "
+                        "auto, --ngram and suffix, whose drafts cost little; 5 for a draft model; "
                         "3 for layerskip and early-exit; 2 for recycle)")
     d.add_argument("--draft-min", type=_positive(int), default=0,
                    help="drop drafts shorter than this (default: %(default)s)")
@@ -183,8 +184,10 @@ def _make_llm(args: argparse.Namespace):
         spec, default_k = None, 5
     elif args.draft_model:
         spec, default_k = args.draft_model, KINDS["draft"].default_k
-    else:
-        spec = args.drafter or "ngram"
+    elif args.ngram:
+        spec = "ngram"
+    else:  # the measured choice among the training-free drafters and plain decoding
+        spec = args.drafter or "auto"
         default_k = KINDS[parse_drafter(spec).name].default_k
     k = default_k if args.draft_max is None else args.draft_max
     # check every value before spending time on loading models

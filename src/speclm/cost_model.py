@@ -141,6 +141,12 @@ def measure(target, *, max_width: int = WIDTHS[-1], budget_s: float = 3.0, min_r
     return CostModel(widths, seconds, origin="measured", measure_s=clock() - start, asked=top)
 
 
+def model_file(target, model_path: Path | None) -> Path | None:
+    """The file (or folder) a target's speed depends on: llama.cpp's GGUF file, else the
+    folder the weights were loaded from."""
+    return getattr(getattr(target, "weights", None), "path", None) or model_path
+
+
 def cost_key(target, model_file: Path | None) -> dict | None:
     """What a measurement holds for: model file (path, size, modification time), backend,
     dtype, threads, device and this measurement's version; None for a model without a file
@@ -159,11 +165,24 @@ def cost_key(target, model_file: Path | None) -> dict | None:
                 threads=threads, device=str(target.device))
 
 
-def cache_path(key: dict) -> Path:
+def cache_path(key: dict, kind: str = "cost") -> Path:
+    """Where a figure measured for ``key`` is cached: ``<cache dir>/<kind>/<model>-<hash>.json``."""
     from .models.loading import cache_dir
 
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_dir() / "cost" / f"{Path(key['model']).name}-{key['backend']}-{digest}.json"
+    return cache_dir() / kind / f"{Path(key['model']).name}-{key['backend']}-{digest}.json"
+
+
+def write_json(path: Path, data: dict) -> None:
+    """Write a cache file atomically; a cache that cannot be written is not an error (the
+    next process measures again)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def load_cached(key: dict, max_width: int) -> CostModel | None:
@@ -181,8 +200,7 @@ def load_cached(key: dict, max_width: int) -> CostModel | None:
 
 def cost_model(target, model_file: Path | None, *, max_width: int = WIDTHS[-1],
                budget_s: float = 3.0) -> CostModel:
-    """The target's cost model: cached for this combination, else measured now and cached
-    (a cache that cannot be written is not an error: the next process measures again)."""
+    """The target's cost model: cached for this combination, else measured now and cached."""
     key = cost_key(target, model_file)
     if key is not None:
         cached = load_cached(key, max_width)
@@ -192,12 +210,5 @@ def cost_model(target, model_file: Path | None, *, max_width: int = WIDTHS[-1],
     model.key = key or dict(backend=getattr(target, "backend_name", "torch"),
                             threads=torch.get_num_threads(), device=str(target.device))
     if key is not None:
-        path = cache_path(key)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(model.to_dict(), indent=1))
-            os.replace(tmp, path)
-        except OSError:
-            pass
+        write_json(cache_path(key), model.to_dict())
     return model

@@ -73,8 +73,10 @@ class RequestStats:
 
     def summary(self, verbose: bool = False) -> str:
         """A few human-readable lines (``verbose``: the cost model too)."""
+        choice = (self.drafter_report or {}).get("choice")
+        name = f"{self.drafter} (chose {choice})" if choice else self.drafter
         lines = [
-            f"drafter {self.drafter} on {self.backend}: {self.generated_tokens} tokens in {self.total_time_s:.2f} s "
+            f"drafter {name} on {self.backend}: {self.generated_tokens} tokens in {self.total_time_s:.2f} s "
             f"({self.tokens_per_s:.1f} tok/s), prompt {self.prompt_tokens} tokens "
             f"(prefill {self.prefill_time_s:.2f} s)",
             f"target forwards {self.target_forwards}, tau {self.tau:.2f} tokens/forward; "
