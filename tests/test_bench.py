@@ -206,3 +206,18 @@ def test_each_engine_gets_its_own_plain_reference(model_dirs):
     assert by["ngram:k=3,dtype=float64"]["reference"] == added
     assert by["ngram:k=3"]["reference"] == "plain" and by["ngram:k=3,dtype=float64"]["identical"]
     assert by["ngram:k=3,dtype=float64"]["vs_baseline"] > 0  # the baseline stays the given plain
+
+
+def test_guard_flags_a_method_slower_than_plain_in_a_category():
+    from speclm.bench.report import markdown, slower_than_plain
+
+    fig = dict(requests=3, errors=0, tok_s=10.0, identical=3, checked=3)
+    summary = {"plain": {"qa": dict(fig, speedup=1.0)},
+               "ngram": {"qa": dict(fig, speedup=0.80), "code": dict(fig, speedup=1.30)},
+               "suffix": {"qa": dict(fig, speedup=0.95)}}
+    lines = slower_than_plain(summary)
+    assert lines == ["SLOWER THAN PLAIN: ngram on qa: median speedup 0.80x < 0.95x"]
+    table = markdown(summary, "header", [parse_method("ngram"), parse_method("suffix")])
+    rows = {line.split(" | ")[0] + line.split(" | ")[1]: line for line in table.splitlines() if line.startswith("| ")}
+    assert rows["| ngramqa"].endswith("| SLOW |") and not rows["| ngramcode"].endswith("| SLOW |")
+    assert not rows["| suffixqa"].endswith("| SLOW |") and lines[0] in table

@@ -117,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise SpeclmError(f"cannot create output folder {args.out!r}: {exc.strerror}") from None
 
-    from .report import drafter_notes, markdown, mismatches, summarize_all, write_outputs
+    from .report import drafter_notes, markdown, mismatches, slower_than_plain, summarize_all, write_outputs
     from .runner import run_bench
 
     from ..models.llamacpp import set_native_logging
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
     if out_dir is not None:
         meta = dict(command=["speclm", *args.argv], params={k: v for k, v in vars(args).items() if k != "argv"},
                     model_path=str(llm.model_path), device=str(llm.target.device), dtype=str(llm.target.dtype),
-                    backend=llm.backend_name)
+                    backend=llm.backend_name, slower_than_plain=slower_than_plain(summary))
         for path in write_outputs(out_dir, results, summary, table, meta):
             print(f"wrote {path}", file=sys.stderr)
     # a greedy mismatch beyond rounding is a bug: make it fail the command
