@@ -12,13 +12,16 @@ from ..sampling import SamplingParams
 from .methods import MethodSpec, parse_method
 
 DEFAULT_METHODS = ["plain", "ngram", "hf", "hf-lookup"]
-METHOD_HELP = ("Method specs: plain | any drafter with its options plus k= and adaptive= "
+METHOD_HELP = ("Method specs: plain | any drafter with its options plus k= (the most tokens drafted "
+               "per round) and adaptive= (default 1: K per round from the live acceptance and the "
+               "measured cost model; 0: always k) "
                "(ngram[:k=10,min=2,max=3] | suffix | recycle | layerskip[:skip=..] | early-exit[:layers=N] "
                "| draft:path=PATH[,k=5,p_min=0] | distilled | medusa:path=DIR | eagle:path=DIR | auto; "
                "see `speclm generate --help`) | oracle:a=0.7[,k=4] | hf | hf-lookup[:k=10] | "
                "hf-assisted:path=PATH[,k=5] | hf-early-exit[:layers=N,k=5] | llamacpp | llamacpp-lookup[:k=10,ngram=2]. "
                "speclm methods take engine options too: backend=torch|llamacpp, compile=1, quantize=int8|int4, "
-               "dtype=... (one run compares backends). Models: 'default', an HF "
+               "dtype=... (one run compares backends; a method's own compile/quantize/dtype run it on torch "
+               "whatever --backend says). Models: 'default', an HF "
                "folder, a .gguf file, or random:PRESET / random:CONFIG.json (random weights, for oracle "
                "runs on any shape; presets: %s).")
 
@@ -33,7 +36,9 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                     "same prompts, interleaved prompt by prompt after a warm-up, and report speedup, "
                     "tokens/s, alpha, tau, acceptance by draft position, the draft cost c, the "
                     "Leviathan bound and efficiency per category; greedy outputs are checked token "
-                    "by token against plain decoding.",
+                    "by token against plain decoding. Every speedup is against plain decoding on "
+                    "the method's own engine (added when not given); a method below 0.95x plain "
+                    "in a category is flagged SLOW.",
         epilog=METHOD_HELP % ", ".join(PRESETS))
     bench.add_argument("--prompts", help="JSONL of prompts ({'turns': [...], 'category': ...} or "
                                          "{'prompt': ...}), e.g. Spec-Bench's question.jsonl; "

@@ -241,6 +241,8 @@ def run_bench(
     for label, setup in setups.items():
         if isinstance(setup, Speculation) or setup is False:
             llm_of[label].warmup(setup or None, longest)
+        if isinstance(setup, Speculation) and setup.draft_length.adaptive:  # measured (or read
+            llm_of[label].cost_model(1 + setup.draft_length.draft_max)  # from the cache) untimed
     if warmup:
         short = SamplingParams(max_tokens=8, temperature=params.temperature, seed=params.seed)
         for label, setup in setups.items():
