@@ -95,6 +95,17 @@ def test_cache_is_keyed_by_model_file_and_version(tmp_path, monkeypatch):
     monkeypatch.setattr(cm, "VERSION", cm.VERSION + 1)  # another measurement version: stale
     assert cm.cost_model(target, weights, max_width=9).origin == "measured"
     assert cm.cost_model(target, None).origin == "measured"  # no file (random weights): never cached
+    calls = []
+
+    def busy(t):  # another process took the CPU for a while: one plain step ten times slower
+        calls.append(t)
+        return FLAT(t) * (10 if len(calls) == 30 else 1)
+
+    monkeypatch.setattr(cm, "VERSION", cm.VERSION + 2)
+    slowed = FakeBackend(busy)
+    noisy = cm.cost_model(slowed, weights, max_width=9, clock=slowed.clock)
+    assert noisy.noisy and "noisy" in noisy.summary()
+    assert cm.cost_model(target, weights, max_width=9).origin == "measured"  # it was not cached
 
 
 def _chosen(curve, alpha: float, rounds: int = 300) -> list[int]:

@@ -36,6 +36,7 @@ VERSION = 1  # of the measurement: caches of another version are measured again
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # tokens per forward (1 + K)
 _PRIORITY = (1, 2, 4, 8, 16, 32, 3, 6, 12, 24)  # the same, in the order they are measured
 _CONTEXT = 48  # tokens prefilled before timing (a short prompt's worth)
+_NOISY = 3.0  # slowest / fastest plain step beyond which a measurement is not cached
 
 
 @dataclass
@@ -49,6 +50,7 @@ class CostModel:
     origin: str = "measured"  # "measured" now, or "cached"
     measure_s: float = 0.0  # wall time the measurement took
     asked: int = 0  # the widest forward asked for (a slow model may have measured fewer)
+    noisy: bool = False  # plain steps varied more than _NOISY-fold while measuring: not cached
 
     @property
     def plain_s(self) -> float:
@@ -86,6 +88,7 @@ class CostModel:
         shown = [t for t in (2, 4, 8, 16, 32) if t <= max(self.widths[-1], self.asked)]
         ratios = ", ".join(f"v({t}) {self.ratio(t):.2f}" for t in shown)
         how = (f"measured in {self.measure_s:.1f} s" if self.origin == "measured" else "cached")
+        how += "; noisy: the machine was busy, measured again next time" if self.noisy else ""
         return (f"verify cost ({how}; {self.key.get('backend', '?')}, {self.key.get('threads', '?')} "
                 f"threads): plain step {self.plain_s * 1e3:.2f} ms; {ratios} plain steps; "
                 f"~1 + {self.slope():.2f} (T - 1)")
@@ -96,9 +99,9 @@ class CostModel:
 
 def measure(target, *, max_width: int = WIDTHS[-1], budget_s: float = 3.0, min_reps: int = 5,
             clock: Callable[[], float] = time.perf_counter) -> CostModel:
-    """Time forwards of every width up to ``max_width`` on ``target`` (any CausalLM) after a
-    prefill of a short context, rounds interleaved over the widths, until each width has
-    ``min_reps`` timings or ``budget_s`` is spent (at least one each). The target's cache is
+    """Time forwards of widths up to ``max_width`` on ``target`` (any CausalLM) after a prefill
+    of a short context: widths in order of use (1, 2, 4, ...) while half of ``budget_s`` lasts,
+    then rounds interleaved over them, at least three, up to ``min_reps`` while the budget lasts. The target's cache is
     left empty. ``clock`` is replaceable for tests (a fake backend advancing a fake clock)."""
     top = max(2, min(max_width, WIDTHS[-1]))
     # in order of use to the fit, so that a slow model measured within the budget keeps the
@@ -121,24 +124,28 @@ def measure(target, *, max_width: int = WIDTHS[-1], budget_s: float = 3.0, min_r
         return elapsed
 
     try:
-        for w in order:  # warm-up (first calls pay allocations and compiles) and a first timing
-            once(w)
+        for w in order:  # warm-up (first calls pay allocations and compiles) and a first timing;
+            once(w)  # widths are added while half the budget lasts
             times[w] = [once(w)]
-            if len(times) >= 2 and clock() - start > budget_s:
+            if len(times) >= 2 and clock() - start > budget_s / 2:
                 break
         widths = sorted(times)
-        timed_from = clock()
-        while clock() - start <= budget_s:
+        rounds = 1
+        # interleaved rounds: at least three timings per width (a median survives one
+        # disturbed round), then more while the budget lasts, up to min_reps
+        while rounds < 3 or (rounds < min_reps and clock() - start <= budget_s):
             for w in widths:
                 times[w].append(once(w))
-            if min(len(v) for v in times.values()) >= min_reps or clock() - timed_from > budget_s:
-                break
+            rounds += 1
     finally:
         target.reset()
     seconds = [statistics.median(times[w]) for w in widths]
     for i in range(1, len(seconds)):  # a wider forward never costs less (noise at small T)
         seconds[i] = max(seconds[i], seconds[i - 1])
-    return CostModel(widths, seconds, origin="measured", measure_s=clock() - start, asked=top)
+    plain = times[widths[0]]
+    noisy = max(plain) > _NOISY * min(plain)  # the machine was busy: use it, do not cache it
+    return CostModel(widths, seconds, origin="measured", measure_s=clock() - start, asked=top,
+                     noisy=noisy)
 
 
 def model_file(target, model_path: Path | None) -> Path | None:
@@ -199,16 +206,16 @@ def load_cached(key: dict, max_width: int) -> CostModel | None:
 
 
 def cost_model(target, model_file: Path | None, *, max_width: int = WIDTHS[-1],
-               budget_s: float = 3.0) -> CostModel:
+               budget_s: float = 3.0, clock: Callable[[], float] = time.perf_counter) -> CostModel:
     """The target's cost model: cached for this combination, else measured now and cached."""
     key = cost_key(target, model_file)
     if key is not None:
         cached = load_cached(key, max_width)
         if cached is not None:
             return cached
-    model = measure(target, max_width=max_width, budget_s=budget_s)
+    model = measure(target, max_width=max_width, budget_s=budget_s, clock=clock)
     model.key = key or dict(backend=getattr(target, "backend_name", "torch"),
                             threads=torch.get_num_threads(), device=str(target.device))
-    if key is not None:
+    if key is not None and not model.noisy:
         write_json(cache_path(key), model.to_dict())
     return model

@@ -271,7 +271,8 @@ class AutoDrafter:
         active = self.choice or (self._queue[0] if self._queue else None)
         figures = ", ".join(f"{n} {r['tok_s']:.1f}" for n, r in sorted(rates.items(), key=lambda x: -x[1]["tok_s"]))
         inner = drafter_report(self.candidates[active][0]) if active else None
-        remembered = " (remembered for this model)" if self.remembered == self.choice and not self._request.get("decisions") else ""
+        remembered = (" (remembered for this model)" if self.remembered is not None
+                      and self.remembered == self.choice and not self._request.get("decisions") else "")
         summary = (f"auto: {'probing' if self.choice is None else 'chose ' + self.choice}{remembered}; "
                    f"tok/s {figures or 'not measured yet'}; rounds {used}; "
                    f"{len(self._request.get('decisions', []))} decision(s) this request")
