@@ -65,7 +65,7 @@ class DraftLengthPolicy:
         self.t_plain: float | None = None
         self.t_verify: float | None = None  # seen at all: K may be chosen
         self.t_token: float = 0.0  # a verify's time over a plain step, per drafted token
-        self.t_draft: float = 0.0  # per drafted token
+        self.t_draft: float | None = None  # per drafted token (None: nothing drafted yet)
         self._plain_streak = 0
         self._verified_k = 0  # K of the latest verify
 
@@ -75,7 +75,9 @@ class DraftLengthPolicy:
             return self.scale * self.prior.verify_s(1 + k)
         return self.t_plain + k * self.t_token
 
-    def next_k(self) -> int:
+    def next_k(self, exploring: bool = False) -> int:
+        """K for the next round. ``exploring``: the drafter is measuring its candidates (``auto``,
+        plain decoding among them), so a plain step is its decision to make, not this one's."""
         cfg = self.config
         if not cfg.adaptive:
             return cfg.draft_max
@@ -85,12 +87,12 @@ class DraftLengthPolicy:
             return 0  # measure one plain step: the cost every draft must beat
         best_k, best_rate = 0, 1.0 / self.verify_s(0)
         for k in range(max(cfg.draft_min, 1), cfg.draft_max + 1):
-            rate = expected_tokens(k, self.alpha) / (self.verify_s(k) + k * self.t_draft)
+            rate = expected_tokens(k, self.alpha) / (self.verify_s(k) + k * (self.t_draft or 0.0))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
             self._plain_streak += 1
-            if self._plain_streak >= cfg.probe_every:
+            if self._plain_streak >= cfg.probe_every or exploring:
                 self._plain_streak = 0
                 return cfg.draft_max
         return best_k
@@ -111,7 +113,8 @@ class DraftLengthPolicy:
         self.t_verify = target_time if self.t_verify is None else (1 - w) * self.t_verify + w * target_time
         if self.t_plain is not None:
             self.t_token = (1 - w) * self.t_token + w * max(0.0, target_time - self.t_plain) / drafted
-        self.t_draft = (1 - w) * self.t_draft + w * draft_time / drafted
+        per_token = draft_time / drafted  # the first draft sets it: a moving average from 0
+        self.t_draft = per_token if self.t_draft is None else (1 - w) * self.t_draft + w * per_token
         self.alpha = update_acceptance(self.alpha, drafted, accepted, w)
 
 

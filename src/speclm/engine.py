@@ -104,7 +104,7 @@ def generate_tokens(
             # -- draft ---------------------------------------------------------------------
             t0 = time.perf_counter()
             budget = min(params.max_tokens - generated, target.max_context - n) - 1
-            k_max = min(policy.next_k(), budget) if policy is not None else 0
+            k_max = min(policy.next_k(getattr(drafter, "probing", False)), budget) if policy is not None else 0
             draft, proposed = Draft.empty(), k_max > 0
             if proposed:
                 draft = drafter.propose(DraftContext(tokens[:n], k_max, params, gen))

@@ -140,6 +140,11 @@ class AutoDrafter:
         self._since_choice = self.reprobe_every - max(1, self.reprobe_every // 4)
         return choice
 
+    @property
+    def probing(self) -> bool:
+        """Measuring candidates (plain decoding among them): every round must reach them."""
+        return bool(self._queue)
+
     # -- protocol ---------------------------------------------------------------------------
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self._finish_request()
