@@ -184,10 +184,8 @@ def _make_llm(args: argparse.Namespace):
         spec, default_k = None, 5
     elif args.draft_model:
         spec, default_k = args.draft_model, KINDS["draft"].default_k
-    elif args.ngram:
-        spec = "ngram"
-    else:  # the measured choice among the training-free drafters and plain decoding
-        spec = args.drafter or "auto"
+    else:  # without a draft model: auto, the measured choice among the training-free
+        spec = "ngram" if args.ngram else (args.drafter or "auto")  # drafters and plain decoding
         default_k = KINDS[parse_drafter(spec).name].default_k
     k = default_k if args.draft_max is None else args.draft_max
     # check every value before spending time on loading models
