@@ -72,7 +72,7 @@ def test_chat_uses_template_and_sampling_is_seeded(llm):
 
 def test_self_draft_and_draft_model(model_dirs):
     path = str(model_dirs["target"])
-    selfdraft = LLM(path, path, 3, dtype="float64")
+    selfdraft = LLM(path, path, 3, dtype="float64", adaptive_draft=False)  # fixed K: tau = K + 1
     assert selfdraft.drafter.model.model is selfdraft.target.model  # weights shared, not reloaded
     out = selfdraft.generate("the quick", SamplingParams(max_tokens=16, ignore_eos=True))[0]
     assert out.stats.alpha == 1.0 and out.stats.tau == 4.0

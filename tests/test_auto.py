@@ -155,3 +155,23 @@ def test_a_clear_loser_sits_out_more_and_more_reprobes(clock):
     bad_probes = sum(1 for a, b in zip(played, played[1:]) if a == "good" and b == "bad")
     assert auto.choice == "good" and len(probes) >= 6
     assert bad_probes <= 3  # probed after re-probes 2 and 5 (sitting out 1, then 2), not each time
+
+
+def test_the_default_drafter_decides_in_the_first_request_and_remembers(model_dirs, monkeypatch, capsys):
+    """Without a draft model the CLI runs ``auto`` (plain decoding a candidate); its choice is
+    made within the first request, shown in the stats line and remembered for the model."""
+    from speclm import LLM
+    from speclm.cli import main
+
+    monkeypatch.setenv("SPECLM_CACHE_DIR", str(model_dirs["target"].parent / "auto-cache"))
+    target = str(model_dirs["target"])
+    assert main(["generate", "the quick brown fox the quick brown fox", "--model", target,
+                 "--dtype", "float64", "-n", "48", "--raw"]) == 0
+    first = capsys.readouterr().err.splitlines()[0]
+    assert first.startswith("drafter auto (chose ")  # decided within the first request
+    llm = LLM(target, "auto", dtype="float64")
+    auto = llm.drafter
+    assert auto.choice == auto.remembered and auto.choice in auto.candidates  # no probe needed
+    assert "none" in auto.candidates  # plain decoding competes
+    out = llm.generate("the quick brown fox", SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert "remembered for this model" in out.stats.drafter_report["summary"]

@@ -165,3 +165,59 @@ def test_mismatch_diagnosis_tells_a_bug_from_a_tie(model_dirs):
     assert tie["margin"] == 0 and tie["verdict"].startswith("numerical near-tie")
     short = diagnose_mismatch(llm, messages, plain, plain[:4])
     assert short["position"] == 4 and "lengths differ" in short["verdict"]
+
+
+def test_a_methods_own_engine_options_decide_its_backend(monkeypatch):
+    """torch options of a method's own make it torch even where the command's --backend auto
+    chose llama.cpp for a GGUF file; backend=llamacpp of its own drops the command's torch
+    options. Nothing is loaded."""
+    import speclm.models.llamacpp as lcp
+    from speclm.bench.runner import EnginePool
+
+    monkeypatch.setattr(lcp, "llama_cpp_available", lambda: True)
+    pool = EnginePool("default", "cpu", ("auto", 0, None, "auto"))
+    assert pool.defaults == ("llamacpp", 0, None, None)
+    engine = {m: pool.engine_of(parse_method(m)) for m in
+              ["ngram", "ngram:compile=1", "plain:quantize=int4", "ngram:dtype=bfloat16", "hf", "llamacpp"]}
+    assert engine["ngram"] == ("llamacpp", 0, None, None)
+    assert engine["ngram:compile=1"] == ("torch", 1, None, None)
+    assert engine["plain:quantize=int4"] == ("torch", 0, "int4", None)
+    assert engine["ngram:dtype=bfloat16"] == ("torch", 0, None, "bfloat16")
+    assert engine["hf"][0] == "torch" and engine["llamacpp"][0] == "llamacpp"
+    compiled = EnginePool("default", "cpu", ("auto", 1, None, "auto"))
+    assert compiled.defaults == ("torch", 1, None, None)
+    assert compiled.engine_of(parse_method("ngram:backend=llamacpp")) == ("llamacpp", 0, None, None)
+
+
+def test_each_engine_gets_its_own_plain_reference(model_dirs):
+    """A method on an engine without plain decoding gets that plain run added (and announced);
+    its speedup and identity are against it, never against another engine's plain."""
+    from speclm import LLM
+    from speclm.bench.runner import run_bench
+
+    llm = LLM(str(model_dirs["target"]), dtype="float32")
+    specs = [parse_method(m) for m in ["plain", "ngram:k=3", "ngram:k=3,dtype=float64"]]
+    prompts = [dict(id=1, category="echo", turns=["the quick brown fox jumps over the quick brown fox"])]
+    said = []
+    rows = run_bench(llm, specs, prompts, SamplingParams(max_tokens=8), progress=False, log=said.append)
+    by = {r["method"]: r for r in rows}
+    added = "plain:backend=torch,dtype=float64"
+    assert added in by and any(added in line and "ngram:k=3,dtype=float64" in line for line in said)
+    assert by["ngram:k=3,dtype=float64"]["reference"] == added
+    assert by["ngram:k=3"]["reference"] == "plain" and by["ngram:k=3,dtype=float64"]["identical"]
+    assert by["ngram:k=3,dtype=float64"]["vs_baseline"] > 0  # the baseline stays the given plain
+
+
+def test_guard_flags_a_method_slower_than_plain_in_a_category():
+    from speclm.bench.report import markdown, slower_than_plain
+
+    fig = dict(requests=3, errors=0, tok_s=10.0, identical=3, checked=3)
+    summary = {"plain": {"qa": dict(fig, speedup=1.0)},
+               "ngram": {"qa": dict(fig, speedup=0.80), "code": dict(fig, speedup=1.30)},
+               "suffix": {"qa": dict(fig, speedup=0.95)}}
+    lines = slower_than_plain(summary)
+    assert lines == ["SLOWER THAN PLAIN: ngram on qa: median speedup 0.80x < 0.95x"]
+    table = markdown(summary, "header", [parse_method("ngram"), parse_method("suffix")])
+    rows = {line.split(" | ")[0] + line.split(" | ")[1]: line for line in table.splitlines() if line.startswith("| ")}
+    assert rows["| ngramqa"].endswith("| SLOW |") and not rows["| ngramcode"].endswith("| SLOW |")
+    assert not rows["| suffixqa"].endswith("| SLOW |") and lines[0] in table

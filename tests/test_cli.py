@@ -115,3 +115,9 @@ def test_chat_survives_a_turn_that_outgrows_the_context(capsys, model_dirs, monk
     assert code == 0
     assert "context" in err and "Traceback" not in err
     assert out.strip()  # the second, short turn was answered
+
+
+def test_ngram_flag_runs_prompt_lookup(capsys, model_dirs):
+    assert main(["generate", "the quick brown fox", "--model", str(model_dirs["target"]), "--ngram",
+                 "--raw", "-n", "6"]) == 0
+    assert capsys.readouterr().err.startswith("drafter ngram[2..3] on torch")

@@ -7,21 +7,26 @@ import random
 from speclm.draft_length import DraftLengthConfig, DraftLengthPolicy
 
 
-def simulate(alpha: float, t_plain: float, t_token: float, rounds: int = 400, seed: int = 0) -> list[int]:
-    """Drive the policy with i.i.d. acceptance and verify costs t_plain + K * t_token; return
-    the K it chose in the second half (after it has learned)."""
+def drive(policy: DraftLengthPolicy, alpha: float, cost, rounds: int, seed: int = 0) -> list[int]:
+    """Run ``policy`` for ``rounds`` rounds with i.i.d. acceptance ``alpha`` and a verify of K
+    drafted tokens costing ``cost(K)``; return the K it chose each round."""
     rng = random.Random(seed)
-    policy = DraftLengthPolicy(DraftLengthConfig(draft_max=8, adaptive=True, probe_every=8))
     chosen = []
-    for r in range(rounds):
+    for _ in range(rounds):
         k = policy.next_k()
         accepted = 0
         while accepted < k and rng.random() < alpha:
             accepted += 1
-        policy.update(k, accepted, 0.0, t_plain + k * t_token)
-        if r >= rounds // 2:
-            chosen.append(k)
+        policy.update(k, accepted, 0.0, cost(k))
+        chosen.append(k)
     return chosen
+
+
+def simulate(alpha: float, t_plain: float, t_token: float, rounds: int = 400, seed: int = 0) -> list[int]:
+    """Drive the policy with verify costs t_plain + K * t_token; return the K it chose in the
+    second half (after it has learned)."""
+    policy = DraftLengthPolicy(DraftLengthConfig(draft_max=8, adaptive=True, probe_every=8))
+    return drive(policy, alpha, lambda k: t_plain + k * t_token, rounds, seed)[rounds // 2:]
 
 
 def test_cheap_wide_verifies_draft_long():  # a GPU: a verify costs what a plain step does

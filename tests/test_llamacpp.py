@@ -29,7 +29,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("default", "ngram", 10, backend="llamacpp")
+    return LLM("default", "ngram", 10, backend="llamacpp", adaptive_draft=False)  # fixed K
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_rounds_of_trees_match_recomputation(llm, ids, max_parked):
 
 @pytest.mark.parametrize("spec", ["ngram", "suffix", "recycle", "draft:path=default,tree=3,budget=8"])
 def test_greedy_identity_with_llamacpp_plain(llm, spec):
-    setup = llm.make_speculation(spec, 4 if spec.startswith("draft") else None)
+    setup = llm.make_speculation(spec, 4 if spec.startswith("draft") else None, adaptive_draft=False)
     params = SamplingParams(max_tokens=48)
     accepted = 0
     for text in PROMPTS:
@@ -150,7 +150,7 @@ def test_greedy_identity_with_llamacpp_plain(llm, spec):
 
 def test_self_draft_on_llamacpp_accepts_nearly_everything(llm):
     """The target as its own draft (a second context on the same weights)."""
-    setup = llm.make_speculation("default", 4)
+    setup = llm.make_speculation("default", 4, adaptive_draft=False)  # fixed K: every round drafts
     out = llm.chat([{"role": "user", "content": PROMPTS[2]}], SamplingParams(max_tokens=32), speculative=setup)
     assert out.stats.alpha > 0.9
 
@@ -186,11 +186,28 @@ def test_bench_peers_match_llamacpp_plain(llm):
     from speclm.bench.runner import EnginePool, run_bench
 
     pool = EnginePool("default", "cpu", ("llamacpp", 0, None, None))
-    specs = [parse_method(m) for m in ["plain", "ngram", "llamacpp", "llamacpp-lookup", "plain:backend=torch"]]
+    specs = [parse_method(m) for m in ["plain", "ngram:adaptive=0", "llamacpp", "llamacpp-lookup",
+                                       "plain:backend=torch"]]
     prompts = [dict(id=1, category="qa", turns=[PROMPTS[1]])]
     rows = run_bench(pool, specs, prompts, SamplingParams(max_tokens=24), progress=False, baseline="llamacpp")
     by = {r["method"]: r for r in rows}
     assert not any(r.get("error") for r in rows), rows
-    assert by["llamacpp"]["identical"] and by["ngram"]["identical"]
-    assert by["llamacpp-lookup"]["tokens"] > 0 and by["ngram"]["vs_baseline"] > 0
+    assert by["llamacpp"]["identical"] and by["ngram:adaptive=0"]["identical"]
+    assert by["llamacpp-lookup"]["tokens"] > 0 and by["ngram:adaptive=0"]["vs_baseline"] > 0
     assert by["plain:backend=torch"]["reference"] == "plain:backend=torch"  # its own engine
+
+
+def test_llamacpp_logs_are_silent_unless_verbose(capfd):
+    from speclm.models.llamacpp import LlamaCppLM, LlamaCppModel, set_native_logging
+    from speclm.models.loading import find_gguf
+
+    gguf = find_gguf("default")
+    capfd.readouterr()
+    LlamaCppLM(LlamaCppModel(gguf), frozenset()).forward(torch.tensor([1, 2, 3]), 0)
+    assert capfd.readouterr().err == ""  # the loader and context logs are dropped
+    set_native_logging(True)
+    try:
+        LlamaCppLM(LlamaCppModel(gguf), frozenset())
+    finally:
+        set_native_logging(False)
+    assert "llama" in capfd.readouterr().err  # --verbose shows them

@@ -13,6 +13,7 @@ from typing import Union
 
 import torch
 
+from .cost_model import WIDTHS, CostModel, cost_model, model_file
 from .detokenize import IncrementalDetokenizer
 from .draft_length import DraftLengthConfig
 from .drafters import DraftModelDrafter, Drafter, check_vocab_compatible
@@ -79,7 +80,9 @@ class LLM:
             takes the drafter's own default (10 for prompt lookup, 5 for a draft model, ...).
         draft_min: drafts shorter than this are dropped (``--draft-min``).
         draft_p_min: a draft model stops when its top probability falls below this.
-        adaptive_draft: choose K each round from measured acceptance and costs.
+        adaptive_draft: choose K each round (up to ``num_speculative_tokens``; 0: a plain
+            step) from the live acceptance and the target's measured cost model (see
+            :meth:`cost_model`); False drafts ``num_speculative_tokens`` every round.
         async_draft: speculative speculative decoding: while the target verifies, the draft
             model drafts the next round for the ``async_fanout`` likeliest verification outcomes
             on a worker thread (a draft model only).
@@ -104,7 +107,7 @@ class LLM:
         *,
         draft_min: int = 0,
         draft_p_min: float = 0.0,
-        adaptive_draft: bool = False,
+        adaptive_draft: bool = True,
         async_draft: bool = False,
         async_fanout: int = 8,
         ngram_min: int = 2,
@@ -123,6 +126,7 @@ class LLM:
         self._device, self._dtype = device, dtype
         self.tokenizer = self._loaded.tokenizer
         self.target = self._loaded.backend
+        self._cost: CostModel | None = None
         self.speculation = self.make_speculation(
             speculative_model, num_speculative_tokens, draft_min=draft_min,
             draft_p_min=draft_p_min, adaptive_draft=adaptive_draft, async_draft=async_draft,
@@ -149,7 +153,7 @@ class LLM:
         *,
         draft_min: int = 0,
         draft_p_min: float = 0.0,
-        adaptive_draft: bool = False,
+        adaptive_draft: bool = True,
         async_draft: bool = False,
         async_fanout: int = 8,
         ngram_min: int = 2,
@@ -211,6 +215,15 @@ class LLM:
             backend = draft.backend
         return DraftModelDrafter(backend, self.target.vocab_size, p_min=p_min, tree=tree)
 
+    def cost_model(self, max_width: int = 1) -> CostModel:
+        """The target's verify cost (seconds per forward of T tokens, T up to ``max_width``):
+        cached per model file, backend, dtype, threads and device, else measured now (a few
+        seconds, once) and cached (speclm.cost_model)."""
+        if self._cost is None or self._cost.asked < min(max_width, WIDTHS[-1]):
+            self._cost = cost_model(self.target, model_file(self.target, self._loaded.path),
+                                    max_width=max_width)
+        return self._cost
+
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids for a text prompt, or for chat messages through the chat template."""
@@ -255,12 +268,16 @@ class LLM:
         spec = speculative if isinstance(speculative, Speculation) else (
             self.speculation if speculative else None)
         stats = RequestStats(drafter=spec.name if spec is not None else "none", backend=self.backend_name)
+        cost = None
+        if spec is not None and spec.draft_length.adaptive:
+            cost = self.cost_model(1 + spec.draft_length.draft_max)
+            stats.cost_model = cost.summary()
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         steps = generate_tokens(
             self.target, prompt_ids, params,
             drafter=spec.drafter if spec is not None else None,
             draft_length=spec.draft_length if spec is not None else None,
-            stats=stats, generator=params.make_generator(self.target.device),
+            stats=stats, generator=params.make_generator(self.target.device), cost_model=cost,
         )
         delivered = 0  # tokens handed to the caller
         try:

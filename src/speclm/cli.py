@@ -19,7 +19,7 @@ from .sampling import SamplingParams
 
 EXIT_USAGE = 2
 _DRAFTERS_HELP = """drafters (--drafter NAME[:key=value,...]):
-  ngram[:min=2,max=3]             prompt lookup in the request's own text (the default)
+  ngram[:min=2,max=3]             prompt lookup in the request's own text
   suffix[:capacity=262144,factor=1]  suffix matching over every prompt and output of the session
   recycle[:topk=8]                token recycling: the target's own top-k from earlier verifies
   layerskip[:skip=3,5-9]          the target minus some layers; without skip= the set is searched
@@ -27,9 +27,10 @@ _DRAFTERS_HELP = """drafters (--drafter NAME[:key=value,...]):
   early-exit[:layers=N]           the target's first N layers (default: a third)
   draft:path=DIR[,p_min=P]        a smaller model with the target's tokenizer (= --draft-model)
   distilled[:path=DIR]            the draft model `speclm distill` made for this target
-  auto[:candidates=a,b,...]       measure candidates on the live requests, keep the fastest
-                                  (default: none, ngram, suffix, recycle, plus layerskip and
-                                  distilled where already prepared for this model)"""
+  auto[:candidates=a,b,...]       the default: measure candidates on the live requests, keep the
+                                  fastest, remember the choice per model (default candidates:
+                                  none = plain decoding, ngram, suffix, recycle, plus layerskip
+                                  and distilled where already prepared for this model)"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -72,6 +73,9 @@ def add_backend_flags(g: argparse._ArgumentGroup) -> None:
                         "first request pays the compile (one time)")
     g.add_argument("--quantize", choices=["int8", "int4"], default=None,
                    help="weight-only quantization of the linear layers on the torch fast path")
+    g.add_argument("--verbose", "-v", action="store_true",
+                   help="show llama.cpp's own loader and context logs (silent otherwise) and the "
+                        "measured cost model (verify cost per tokens fed) that the draft length uses")
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
@@ -79,26 +83,29 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("speculative decoding")
     which = d.add_mutually_exclusive_group()
     which.add_argument("--ngram", action="store_true",
-                       help="draft by prompt lookup (n-gram match in prompt + output); the default")
+                       help="draft by prompt lookup (n-gram match in prompt + output) only")
     which.add_argument("--draft-model", metavar="PATH",
                        help="draft with a smaller model sharing the target's tokenizer "
                             "(HF folder, .gguf, or 'default')")
     which.add_argument("--drafter", metavar="NAME[:OPTS]",
                        help="a drafter by name: ngram, suffix, recycle, layerskip[:skip=3,5-9], "
                             "early-exit[:layers=N], draft:path=DIR, distilled, medusa:path=DIR, "
-                            "eagle:path=DIR, auto (see below)")
+                            "eagle:path=DIR, auto (the default; see below)")
     which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
     d.add_argument("--draft-max", type=_positive(int), default=None,
-                   help="K, most tokens drafted per round (default: the drafter's own: 10 for "
-                        "--ngram, suffix and auto, whose drafts cost little; 5 for a draft model; "
+                   help="K, most tokens drafted per round: the adaptive policy's upper bound, "
+                        "or every round's K with --no-adaptive (default: the drafter's own: 10 for "
+                        "auto, --ngram and suffix, whose drafts cost little; 5 for a draft model; "
                         "3 for layerskip and early-exit; 2 for recycle)")
     d.add_argument("--draft-min", type=_positive(int), default=0,
                    help="drop drafts shorter than this (default: %(default)s)")
     d.add_argument("--draft-p-min", type=_positive(float), default=0.0,
                    help="draft model stops when its top probability is below this (default: off)")
-    d.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=False,
-                   help="choose K each round from measured acceptance and step costs, drafting "
-                        "nothing when speculation would not pay (default: off; see docs)")
+    d.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose K (up to --draft-max) each round from the live acceptance and the "
+                        "target's measured cost model (timed once per model and backend, cached), "
+                        "drafting nothing when speculation would not pay; --no-adaptive drafts "
+                        "--draft-max every round (default: on)")
     d.add_argument("--async", dest="async_draft", action="store_true",
                    help="speculative speculative decoding: while the target verifies, the draft "
                         "model drafts the next round for the likeliest outcomes (draft models only)")
@@ -166,6 +173,9 @@ def _sampling(args: argparse.Namespace) -> SamplingParams:
 
 def _make_llm(args: argparse.Namespace):
     from .api import LLM  # heavy imports only after the flags are known to be valid
+    from .models.llamacpp import set_native_logging
+
+    set_native_logging(args.verbose)
 
     from .draft_length import DraftLengthConfig
     from .drafters.registry import KINDS, parse_drafter
@@ -174,8 +184,8 @@ def _make_llm(args: argparse.Namespace):
         spec, default_k = None, 5
     elif args.draft_model:
         spec, default_k = args.draft_model, KINDS["draft"].default_k
-    else:
-        spec = args.drafter or "ngram"
+    else:  # without a draft model: auto, the measured choice among the training-free
+        spec = "ngram" if args.ngram else (args.drafter or "auto")  # drafters and plain decoding
         default_k = KINDS[parse_drafter(spec).name].default_k
     k = default_k if args.draft_max is None else args.draft_max
     # check every value before spending time on loading models
@@ -250,7 +260,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         sys.stdout.flush()
         if not args.quiet:
-            print(stats.summary(), file=sys.stderr)
+            print(stats.summary(args.verbose), file=sys.stderr)
     if args.compare:
         plain_ids, plain = [], None
         for plain in llm.stream(prompt, params, speculative=False):
@@ -268,14 +278,29 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             else:
                 at = next((i for i, (a, b) in enumerate(zip(ids, plain_ids)) if a != b),
                           min(len(ids), len(plain_ids)))
-                verdict = (f"DIFFERENT from generated token {at} (a bug, or a float rounding "
-                           "near-tie between the top two tokens; try --dtype float64)")
+                verdict = f"DIFFERENT from generated token {at} ({_mismatch_advice(llm)})"
             print(f"plain decoding: {plain.stats.generated_tokens} tokens, "
                   f"{plain.stats.tokens_per_s:.1f} tok/s\nspeedup: {speedup:.2f}x; outputs {verdict}",
                   file=sys.stderr)
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def _mismatch_advice(llm) -> str:
+    """What a greedy mismatch may mean and how to check it, for the backend that ran."""
+    import torch
+
+    backend = llm.backend_name
+    if backend == "llamacpp":
+        return ("a bug, or a near-tie between the top two tokens: llama.cpp's quantized kernels "
+                "round a one-token step and a multi-token verify differently; for an exact check "
+                "run the same prompt with --backend torch --dtype float64")
+    if llm.target.dtype == torch.float64:
+        return "float64 leaves no room for rounding: a bug, please report it"
+    extra = " without --compile/--quantize" if backend != "torch" else ""
+    return ("a bug, or a float rounding near-tie between the top two tokens; "
+            f"try --backend torch --dtype float64{extra}")
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -303,7 +328,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
             history.clear()
             continue
         if command == "/stats":
-            print(last.summary() if last else "no answer yet", file=sys.stderr)
+            print(last.summary(args.verbose) if last else "no answer yet", file=sys.stderr)
             continue
         answer, chunk = [], None
         try:
@@ -320,7 +345,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         history += [{"role": "user", "content": line}, {"role": "assistant", "content": "".join(answer)}]
         last = chunk.stats if chunk is not None else last
         if args.stats:
-            print(last.summary(), file=sys.stderr)
+            print(last.summary(args.verbose), file=sys.stderr)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:

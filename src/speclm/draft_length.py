@@ -1,18 +1,20 @@
 """How many tokens to draft each round (K).
 
-Fixed mode drafts ``draft_max`` every round. Adaptive mode picks the K that maximises expected
-tokens per second from measured quantities:
+Adaptive mode (the default of the CLI, the API, the benchmark and the server) picks the K that
+maximises expected tokens per second from measured quantities:
 
     E[tokens | K] = (1 - alpha^(K+1)) / (1 - alpha)       (Leviathan et al., i.i.d. acceptance)
-    cost(K)       = t_plain                                   if K == 0
-                  = t_plain + K * t_token + K * t_draft       otherwise
+    cost(K)       = verify(1 + K) + K * t_draft           (verify(1): a plain step; K = 0: no draft)
 
-alpha is an exponential moving average of the per-token acceptance rate; t_plain, t_token (what
-each drafted token adds to a verify over a plain step) and t_draft are moving averages of
-measured times. On a GPU t_token ~ 0; on a CPU a verify grows with its width (llama.cpp's Q4
-kernels: each extra token ~0.3 of a plain step), which is why K == 0 is an option and why the
-cost is modelled per token rather than as one verify time. When K == 0 wins, a draft is still
-tried every ``probe_every`` rounds so the estimate can recover.
+alpha is an exponential moving average of the per-token acceptance rate and t_draft of the
+measured drafting time per token. ``verify(T)`` comes from the target's measured cost model
+(speclm.cost_model: seconds per forward of T tokens, timed once per model and backend and
+cached) scaled by a moving average of measured / predicted step times, so the policy knows from
+the first round whether a wide verify is nearly free (a GPU) or costs ~0.3 plain steps per token
+(llama.cpp on a CPU). Without a cost model it is learned from the rounds themselves as
+``t_plain + K * t_token``. K == 0 (a plain step) wins when drafting cannot pay; a draft is then
+still tried every ``probe_every`` rounds so the acceptance estimate can recover. Fixed mode
+(``adaptive=False``, ``--no-adaptive``) drafts ``draft_max`` every round.
 
 ``draft_min`` follows llama.cpp: a draft shorter than it is not worth a verify and is dropped,
 but only when the draft is a function of the context (greedy drafting, prompt lookup). A sampled
@@ -23,8 +25,12 @@ would bias which tokens reach the verifier, so those are always verified.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .errors import SpeclmError
+
+if TYPE_CHECKING:
+    from .cost_model import CostModel
 
 
 @dataclass
@@ -44,40 +50,59 @@ class DraftLengthConfig:
 
 
 class DraftLengthPolicy:
-    """Chooses K per round; fed back with what each round drafted, accepted and cost."""
+    """Chooses K per round; fed back with what each round drafted, accepted and cost.
+
+    ``prior``: the target's measured cost model (speclm.cost_model.CostModel); None learns
+    the verify cost from the rounds alone."""
 
     _EMA = 0.2  # weight of the newest observation
 
-    def __init__(self, config: DraftLengthConfig) -> None:
+    def __init__(self, config: DraftLengthConfig, prior: CostModel | None = None) -> None:
         self.config = config
+        self.prior = prior
+        self.scale = 1.0  # measured / the prior's predicted step time (moving average)
         self.alpha = 0.6  # prior per-token acceptance
         self.t_plain: float | None = None
         self.t_verify: float | None = None  # seen at all: K may be chosen
         self.t_token: float = 0.0  # a verify's time over a plain step, per drafted token
-        self.t_draft: float = 0.0  # per drafted token
+        self.t_draft: float | None = None  # per drafted token (None: nothing drafted yet)
         self._plain_streak = 0
         self._verified_k = 0  # K of the latest verify
 
-    def next_k(self) -> int:
+    def verify_s(self, k: int) -> float:
+        """Expected seconds of a target forward that verifies ``k`` drafted tokens."""
+        if self.prior is not None:
+            return self.scale * self.prior.verify_s(1 + k)
+        return self.t_plain + k * self.t_token
+
+    def next_k(self, exploring: bool = False) -> int:
+        """K for the next round. ``exploring``: the drafter is measuring its candidates (``auto``,
+        plain decoding among them), so a plain step is its decision to make, not this one's."""
         cfg = self.config
-        if not cfg.adaptive or self.t_verify is None:
+        if not cfg.adaptive:
             return cfg.draft_max
-        if self.t_plain is None:
+        if self.prior is None and self.t_verify is None:
+            return cfg.draft_max
+        if self.prior is None and self.t_plain is None:
             return 0  # measure one plain step: the cost every draft must beat
-        best_k, best_rate = 0, 1.0 / self.t_plain
+        best_k, best_rate = 0, 1.0 / self.verify_s(0)
         for k in range(max(cfg.draft_min, 1), cfg.draft_max + 1):
-            rate = expected_tokens(k, self.alpha) / (self.t_plain + k * (self.t_token + self.t_draft))
+            rate = expected_tokens(k, self.alpha) / (self.verify_s(k) + k * (self.t_draft or 0.0))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         if best_k == 0:
             self._plain_streak += 1
-            if self._plain_streak >= cfg.probe_every:
+            if self._plain_streak >= cfg.probe_every or exploring:
                 self._plain_streak = 0
                 return cfg.draft_max
         return best_k
 
     def update(self, drafted: int, accepted: int, draft_time: float, target_time: float) -> None:
         w = self._EMA
+        if self.prior is not None:
+            predicted = self.prior.verify_s(1 + drafted)
+            if predicted > 0:
+                self.scale = (1 - w) * self.scale + w * target_time / predicted
         if drafted == 0:
             if self.t_plain is None and self.t_verify is not None:  # the verifies so far, per token
                 self.t_token = max(0.0, self.t_verify - target_time) / max(1, self._verified_k)
@@ -88,7 +113,8 @@ class DraftLengthPolicy:
         self.t_verify = target_time if self.t_verify is None else (1 - w) * self.t_verify + w * target_time
         if self.t_plain is not None:
             self.t_token = (1 - w) * self.t_token + w * max(0.0, target_time - self.t_plain) / drafted
-        self.t_draft = (1 - w) * self.t_draft + w * draft_time / drafted
+        per_token = draft_time / drafted  # the first draft sets it: a moving average from 0
+        self.t_draft = per_token if self.t_draft is None else (1 - w) * self.t_draft + w * per_token
         self.alpha = update_acceptance(self.alpha, drafted, accepted, w)
 
 

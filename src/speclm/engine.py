@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .cost_model import CostModel
 from .draft_length import DraftLengthConfig, DraftLengthPolicy
 from .drafters.base import Draft, DraftContext, Drafter, drafter_report, wanted_target_topk
 from .errors import SpeclmError
@@ -63,15 +64,17 @@ def generate_tokens(
     draft_length: DraftLengthConfig | None = None,
     stats: RequestStats | None = None,
     generator: torch.Generator | None = None,
+    cost_model: CostModel | None = None,
 ) -> Iterator[Step]:
     """Generate from ``prompt_ids`` ([n] int64), yielding each round's committed tokens.
 
     ``stats`` (if given) is filled in as the generation runs, and is complete once the generator
-    is exhausted or closed.
+    is exhausted or closed. ``cost_model``: the target's measured verify cost, the adaptive
+    draft length's starting point (speclm.cost_model).
     """
     stats = stats if stats is not None else RequestStats()
     config = draft_length or DraftLengthConfig()
-    policy = DraftLengthPolicy(config) if drafter is not None else None
+    policy = DraftLengthPolicy(config, cost_model) if drafter is not None else None
     feature_layers = getattr(drafter, "feature_layers", None) if drafter is not None else None
     feedback_k = min(wanted_target_topk(drafter), target.vocab_size)  # 0 unless the drafter asks
     gen = generator if generator is not None else params.make_generator(target.device)
@@ -101,7 +104,7 @@ def generate_tokens(
             # -- draft ---------------------------------------------------------------------
             t0 = time.perf_counter()
             budget = min(params.max_tokens - generated, target.max_context - n) - 1
-            k_max = min(policy.next_k(), budget) if policy is not None else 0
+            k_max = min(policy.next_k(getattr(drafter, "probing", False)), budget) if policy is not None else 0
             draft, proposed = Draft.empty(), k_max > 0
             if proposed:
                 draft = drafter.propose(DraftContext(tokens[:n], k_max, params, gen))

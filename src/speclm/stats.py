@@ -21,6 +21,7 @@ class RequestStats:
     total_time_s: float = 0.0
     drafter: str = "none"
     backend: str = "torch"  # what ran the target: torch, torch-compiled..., llamacpp
+    cost_model: str | None = None  # the target's measured verify cost the draft length used
     drafter_report: dict | None = None  # the drafter's own account of the request (see
     #   drafters/base.py): e.g. which drafter ``auto`` chose, when and why, with measured rates
 
@@ -70,10 +71,12 @@ class RequestStats:
                    acceptance_by_position=self.acceptance_by_position)
         return out
 
-    def summary(self) -> str:
-        """A few human-readable lines."""
+    def summary(self, verbose: bool = False) -> str:
+        """A few human-readable lines (``verbose``: the cost model too)."""
+        choice = (self.drafter_report or {}).get("choice")
+        name = f"{self.drafter} (chose {choice})" if choice else self.drafter
         lines = [
-            f"drafter {self.drafter} on {self.backend}: {self.generated_tokens} tokens in {self.total_time_s:.2f} s "
+            f"drafter {name} on {self.backend}: {self.generated_tokens} tokens in {self.total_time_s:.2f} s "
             f"({self.tokens_per_s:.1f} tok/s), prompt {self.prompt_tokens} tokens "
             f"(prefill {self.prefill_time_s:.2f} s)",
             f"target forwards {self.target_forwards}, tau {self.tau:.2f} tokens/forward; "
@@ -84,6 +87,8 @@ class RequestStats:
         if self.judged_per_position:
             rates = " ".join(f"{r:.2f}" for r in self.acceptance_by_position)
             lines.append(f"acceptance by draft position: {rates}")
+        if verbose and self.cost_model:
+            lines.append(self.cost_model)
         report = self.drafter_report or {}
         if report.get("summary"):
             lines.append(f"drafter: {report['summary']}")

@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ..draft_length import expected_tokens
 from ..errors import SpeclmError
+
+if TYPE_CHECKING:
+    from ..cost_model import CostModel
 
 
 @dataclass
@@ -86,11 +90,17 @@ _MAX_PROBE_FACTOR = 16  # probes at least every probe_every * this steps
 
 
 class BatchDraftPolicy:
-    """Chooses the batch's draft cap each step and learns from what each step cost."""
+    """Chooses the batch's draft cap each step and learns from what each step cost.
 
-    def __init__(self, config: BatchDraftConfig) -> None:
+    ``prior``: the target's measured cost model (speclm.cost_model), whose single-row forwards
+    of T tokens seed the step cost of T tokens fed, so the first steps already know what a wide
+    step costs; the steps the server runs refine it."""
+
+    def __init__(self, config: BatchDraftConfig, prior: CostModel | None = None) -> None:
         self.config = config
         self.cost = StepCostModel()
+        for tokens, seconds in zip(prior.widths, prior.seconds) if prior is not None else ():
+            self.cost.observe(tokens, seconds)
         self._plain_streak = 0
         self._probe_interval = config.probe_every
 

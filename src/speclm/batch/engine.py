@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cost_model import CostModel
 from ..draft_length import update_acceptance
 from ..drafters.base import Draft, DraftContext, Drafter
 from ..engine import Step
@@ -86,6 +87,7 @@ class BatchEngine:
         draft_config: BatchDraftConfig | None = None,
         max_prefill_tokens: int = 4096,
         drafter_name: str = "none",
+        cost_prior: CostModel | None = None,  # the target's measured cost (LLM.cost_model)
     ) -> None:
         if max_batch < 1:
             raise SpeclmError(f"max batch must be >= 1, got {max_batch}")
@@ -93,7 +95,7 @@ class BatchEngine:
         self.max_batch = max_batch
         self.drafter_factory = drafter_factory
         self.draft_config = draft_config or BatchDraftConfig()
-        self.policy = BatchDraftPolicy(self.draft_config) if drafter_factory is not None else None
+        self.policy = BatchDraftPolicy(self.draft_config, cost_prior) if drafter_factory is not None else None
         self.max_prefill_tokens = max_prefill_tokens
         self.drafter_name = drafter_name if drafter_factory is not None else "none"
         self.waiting: deque[Sequence] = deque()

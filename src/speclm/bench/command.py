@@ -12,13 +12,16 @@ from ..sampling import SamplingParams
 from .methods import MethodSpec, parse_method
 
 DEFAULT_METHODS = ["plain", "ngram", "hf", "hf-lookup"]
-METHOD_HELP = ("Method specs: plain | any drafter with its options plus k= and adaptive= "
+METHOD_HELP = ("Method specs: plain | any drafter with its options plus k= (the most tokens drafted "
+               "per round) and adaptive= (default 1: K per round from the live acceptance and the "
+               "measured cost model; 0: always k) "
                "(ngram[:k=10,min=2,max=3] | suffix | recycle | layerskip[:skip=..] | early-exit[:layers=N] "
                "| draft:path=PATH[,k=5,p_min=0] | distilled | medusa:path=DIR | eagle:path=DIR | auto; "
                "see `speclm generate --help`) | oracle:a=0.7[,k=4] | hf | hf-lookup[:k=10] | "
                "hf-assisted:path=PATH[,k=5] | hf-early-exit[:layers=N,k=5] | llamacpp | llamacpp-lookup[:k=10,ngram=2]. "
                "speclm methods take engine options too: backend=torch|llamacpp, compile=1, quantize=int8|int4, "
-               "dtype=... (one run compares backends). Models: 'default', an HF "
+               "dtype=... (one run compares backends; a method's own compile/quantize/dtype run it on torch "
+               "whatever --backend says). Models: 'default', an HF "
                "folder, a .gguf file, or random:PRESET / random:CONFIG.json (random weights, for oracle "
                "runs on any shape; presets: %s).")
 
@@ -33,7 +36,9 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                     "same prompts, interleaved prompt by prompt after a warm-up, and report speedup, "
                     "tokens/s, alpha, tau, acceptance by draft position, the draft cost c, the "
                     "Leviathan bound and efficiency per category; greedy outputs are checked token "
-                    "by token against plain decoding.",
+                    "by token against plain decoding. Every speedup is against plain decoding on "
+                    "the method's own engine (added when not given); a method below 0.95x plain "
+                    "in a category is flagged SLOW.",
         epilog=METHOD_HELP % ", ".join(PRESETS))
     bench.add_argument("--prompts", help="JSONL of prompts ({'turns': [...], 'category': ...} or "
                                          "{'prompt': ...}), e.g. Spec-Bench's question.jsonl; "
@@ -117,14 +122,17 @@ def run(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise SpeclmError(f"cannot create output folder {args.out!r}: {exc.strerror}") from None
 
-    from .report import drafter_notes, markdown, mismatches, summarize_all, write_outputs
+    from .report import drafter_notes, markdown, mismatches, slower_than_plain, summarize_all, write_outputs
     from .runner import run_bench
 
+    from ..models.llamacpp import set_native_logging
     from .runner import EnginePool
+
+    set_native_logging(args.verbose)
 
     pool = EnginePool(args.model, args.device, (args.backend, int(args.compile), args.quantize, args.dtype),
                       args.gguf_file)
-    llm = pool.get()
+    llm = pool.get(pool.engine_of(next((s for s in specs if not s.is_peer), specs[0])))  # for the header
     results = run_bench(pool, specs, prompts, params, warmup=not args.no_warmup, baseline=args.baseline)
     summary = summarize_all(results, specs)
     mode = "greedy" if params.greedy else f"temperature {params.temperature}"
@@ -144,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
     if out_dir is not None:
         meta = dict(command=["speclm", *args.argv], params={k: v for k, v in vars(args).items() if k != "argv"},
                     model_path=str(llm.model_path), device=str(llm.target.device), dtype=str(llm.target.dtype),
-                    backend=llm.backend_name)
+                    backend=llm.backend_name, slower_than_plain=slower_than_plain(summary))
         for path in write_outputs(out_dir, results, summary, table, meta):
             print(f"wrote {path}", file=sys.stderr)
     # a greedy mismatch beyond rounding is a bug: make it fail the command

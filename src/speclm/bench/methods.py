@@ -1,10 +1,11 @@
 """Method specs for the benchmark: ``name[:key=value,...]``, checked before any model loads.
 
     plain                            speclm plain decoding (the baseline every speedup uses)
-    DRAFTER[:options,k=K,adaptive=0] any speclm drafter (drafters/registry.py: ngram, suffix,
+    DRAFTER[:options,k=K,adaptive=1] any speclm drafter (drafters/registry.py: ngram, suffix,
                                      recycle, layerskip, early-exit, draft, distilled, auto) with
-                                     its options, its draft length K (default: the drafter's)
-                                     and adaptive K
+                                     its options, its draft length K (default: the drafter's;
+                                     the adaptive policy's upper bound) and adaptive=0 for a
+                                     fixed K
     oracle:a=0.7[,k=4]               replays the target's greedy continuation, each token kept
                                      with probability a (acceptance controlled exactly)
     hf                               transformers generate(), plain
@@ -34,7 +35,7 @@ ENGINE_OPTIONS = {"backend": (str, None), "compile": (int, None), "quantize": (s
 # name -> {option: (type, default)}
 _SCHEMA: dict[str, dict[str, tuple[type, object]]] = {
     "plain": {**ENGINE_OPTIONS},
-    **{name: {**kind.options, "k": (int, kind.default_k), "adaptive": (int, 0), **ENGINE_OPTIONS}
+    **{name: {**kind.options, "k": (int, kind.default_k), "adaptive": (int, 1), **ENGINE_OPTIONS}
        for name, kind in KINDS.items()},
     "oracle": {"a": (float, REQUIRED), "k": (int, 4), "seed": (int, 0), **ENGINE_OPTIONS},
     "hf": {},
@@ -44,6 +45,8 @@ _SCHEMA: dict[str, dict[str, tuple[type, object]]] = {
     "llamacpp": {},
     "llamacpp-lookup": {"k": (int, 10), "ngram": (int, 2)},
 }
+_TORCH_OPTIONS = ("compile", "quantize", "dtype")  # engine options only the torch backend takes
+_UNSET = {"compile": 0, "quantize": None, "dtype": "auto"}  # each one's "not asked for"
 PEERS = ("hf", "hf-lookup", "hf-assisted", "hf-early-exit", "llamacpp", "llamacpp-lookup")
 _BENCH_ONLY = ("k", "adaptive", *ENGINE_OPTIONS)  # options of the run, not of the drafter
 
@@ -61,9 +64,18 @@ class MethodSpec:
 
     def engine(self, defaults: tuple) -> tuple:
         """(backend, compile, quantize, dtype) this method runs on: its own engine options over
-        the command's ``defaults``. Peers run on their own (see bench/runner.py)."""
-        return tuple(default if self.options.get(key) is None else self.options[key]
-                     for key, default in zip(ENGINE_OPTIONS, defaults))
+        the command's ``defaults``. The method's own options decide its backend: torch options
+        of its own (compile, quantize, dtype) without a backend of its own make it ``auto``
+        (which they resolve to torch), and ``backend=llamacpp`` of its own drops the command's
+        torch options. Peers run on their own (see bench/runner.py)."""
+        own = {key: self.options.get(key) for key in ENGINE_OPTIONS}
+        values = {key: default if own[key] is None else own[key]
+                  for key, default in zip(ENGINE_OPTIONS, defaults)}
+        if own["backend"] is None and any(own[key] not in (None, 0) for key in _TORCH_OPTIONS):
+            values["backend"] = "auto"
+        if own["backend"] == "llamacpp":
+            values.update({key: _UNSET[key] for key in _TORCH_OPTIONS if own[key] is None})
+        return tuple(values[key] for key in ENGINE_OPTIONS)
 
     @property
     def k(self) -> int:

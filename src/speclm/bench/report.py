@@ -110,7 +110,19 @@ LEGEND = (
     "plain's time per step; v = target time per speculative forward ÷ plain's time per step; "
     "bound = (1 − a^(K+1)) / ((1 − a)(cK + 1)) (Leviathan et al.) with a = alpha/token and the "
     "configured K; bound (v) = the same with cK + v, the verify's measured cost; efficiency = "
-    "decode speedup ÷ bound.")
+    "decode speedup ÷ bound. guard SLOW: median speedup below 0.95x plain decoding on the same engine.")
+
+
+GUARD = 0.95  # a method whose median speedup in a category is below this is flagged
+
+
+def slower_than_plain(summary: dict, guard: float = GUARD) -> list[str]:
+    """One line per (method, category) whose median speedup over plain decoding on its own
+    engine is below ``guard``: speculation that costs the user time is shown, never averaged
+    away."""
+    return [f"SLOWER THAN PLAIN: {label} on {cat}: median speedup {f['speedup']:.2f}x < {guard:.2f}x"
+            for label, by_cat in summary.items() for cat, f in by_cat.items()
+            if f.get("speedup") is not None and f["speedup"] < guard]
 
 
 def _cells(fig: dict, columns: list) -> str:
@@ -121,12 +133,15 @@ def markdown(summary: dict, header: str, specs: list[MethodSpec] | None = None,
              notes: list[str] | None = None) -> str:
     """The terminal/results.md report: per method and category, acceptance by position, oracle sweep."""
     lines = [header, "",
-             "| method | category | " + " | ".join(h for h, _, _ in _COLUMNS) + " | identical | errors |",
-             "|---" * (len(_COLUMNS) + 4) + "|"]
+             "| method | category | " + " | ".join(h for h, _, _ in _COLUMNS) + " | identical | errors | guard |",
+             "|---" * (len(_COLUMNS) + 5) + "|"]
     for label, by_cat in summary.items():
         for cat, f in by_cat.items():
             ident = f"{f['identical']}/{f['checked']}" if f.get("checked") else "-"
-            lines.append(f"| {label} | {cat} | {_cells(f, _COLUMNS)} | {ident} | {f['errors']} |")
+            slow = "SLOW" if f.get("speedup") is not None and f["speedup"] < GUARD else ""
+            lines.append(f"| {label} | {cat} | {_cells(f, _COLUMNS)} | {ident} | {f['errors']} | {slow} |")
+    guard = slower_than_plain(summary)
+    lines += ["", *guard] if guard else []
     lines += ["", "Acceptance by draft position (all categories):", "",
               "| method | " + " | ".join(str(i) for i in range(1, 11)) + " |",
               "|---|" + "---|" * 10]

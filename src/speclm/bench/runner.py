@@ -30,7 +30,8 @@ class EnginePool:
 
     def __init__(self, model: str, device: str, defaults: tuple, gguf_file: str | None = None) -> None:
         self.model, self.device, self.gguf_file = model, device, gguf_file
-        self.defaults = self._normal(defaults)
+        self.flags = defaults  # the command's own (backend may be auto): each method resolves
+        self.defaults = self._normal(defaults)  # its engine from these and its own options
         self._llms: dict[tuple, LLM] = {}
 
     @classmethod
@@ -68,7 +69,7 @@ class EnginePool:
             return ("llamacpp", 0, None, None)
         if spec.is_peer:
             return ("torch", 0, None, self.defaults[3])
-        return self._normal(spec.engine(self.defaults))
+        return self._normal(spec.engine(self.flags))
 
     def gguf(self):
         from ..models.loading import find_gguf
@@ -100,12 +101,47 @@ def build_setups(pool: EnginePool, specs: list[MethodSpec]) -> dict[str, object]
                     from .llamacpp_peers import LlamaCppLookupPeer, LlamaCppPlainPeer
 
                     peer = LlamaCppPlainPeer if spec.name == "llamacpp" else LlamaCppLookupPeer
-                    setups[spec.label] = peer(spec, pool.gguf(), pool.get().target.eos_token_ids)
+                    setups[spec.label] = peer(spec, pool.gguf(),
+                                              pool.get(pool.engine_of(spec)).target.eos_token_ids)
                 else:
                     setups[spec.label] = HFPeer(spec, pool.get(pool.engine_of(spec)))
             except Exception as exc:
                 setups[spec.label] = f"setup failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     return setups
+
+
+def plain_label(engine: tuple) -> str:
+    """The method spec of plain decoding on ``engine`` (backend, compile, quantize, dtype)."""
+    backend, compile_, quantize, dtype = engine
+    options = [f"backend={backend}"] + (["compile=1"] if compile_ else []) + \
+        ([f"quantize={quantize}"] if quantize else []) + ([f"dtype={dtype}"] if dtype else [])
+    return "plain:" + ",".join(options)
+
+
+def reference_plains(pool: EnginePool, specs: list[MethodSpec], setups: dict[str, object],
+                     log: Callable[[str], None]) -> list[MethodSpec]:
+    """Plain decoding on every engine that runs a method but has no plain method of its own
+    (every speedup, bound and identity check is against plain decoding on the method's own
+    engine, never another's), each one announced through ``log``. With no plain at all, the
+    plain of the command's own engine comes first."""
+    from .methods import parse_method
+
+    have = {pool.engine_of(s) for s in specs if s.name == "plain"}
+    added = []
+    if not have:  # the command's own engine, under the plain name
+        added.append(MethodSpec("plain", "plain", {}))
+        have.add(pool.defaults)
+    wanted: dict[tuple, list[str]] = {}
+    for s in specs:
+        if s.name != "plain" and not isinstance(setups.get(s.label), str):
+            wanted.setdefault(pool.engine_of(s), []).append(s.label)
+    for eng, labels in wanted.items():
+        if eng not in have:
+            spec = parse_method(plain_label(eng))
+            log(f"bench: added {spec.label} (plain decoding on that engine), the reference of "
+                + ", ".join(labels))
+            added.append(spec)
+    return added
 
 
 def _run_one(llm: LLM, setup, messages: list[dict], params: SamplingParams) -> dict:
@@ -177,15 +213,18 @@ def run_bench(
     tok/s with the ``baseline`` method's on the same request (default: the first plain)."""
     if isinstance(pool, LLM):
         pool = EnginePool.around(pool)
-    if not any(s.name == "plain" for s in specs):
-        specs = [MethodSpec("plain", "plain", {})] + specs
     setups = build_setups(pool, specs)
+    added = reference_plains(pool, specs, setups, log)
+    given_plain = next((s.label for s in specs if s.name == "plain"), None)
+    specs = added + specs
+    setups.update(build_setups(pool, added))
     engine = {s.label: pool.engine_of(s) for s in specs}
     plains = {}  # engine -> the label of its plain method (the first one given)
     for s in specs:
         if s.name == "plain":
             plains.setdefault(engine[s.label], s.label)
-    first_plain = next(s.label for s in specs if s.name == "plain")
+    first_plain = given_plain or next(s.label for s in specs if s.name == "plain")
+    # a method whose setup failed has no engine of its own to compare with: the first plain
     reference = {s.label: plains.get(engine[s.label], first_plain) for s in specs}
     baseline = baseline or first_plain
     if baseline not in reference:
@@ -193,8 +232,8 @@ def run_bench(
     # plain methods first (in order), then the rest rotating from prompt to prompt
     plain_labels = [s.label for s in specs if s.name == "plain"]
     others = [s.label for s in specs if s.name != "plain"]
-    llm_of = {label: (pool.get(engine[label]) if not _is_peer(setups[label]) and not isinstance(setups[label], str)
-                      else pool.get()) for label in setups}
+    llm_of = {label: pool.get(engine[label] if not isinstance(setups[label], str) else engine[first_plain])
+              for label in setups}
     # the fast path compiles each verify width and cache size up front, not inside a request
     encode = llm_of[plain_labels[0]].encode
     longest = max((len(encode([{"role": "user", "content": "\n".join(p["turns"])}]))
@@ -202,6 +241,8 @@ def run_bench(
     for label, setup in setups.items():
         if isinstance(setup, Speculation) or setup is False:
             llm_of[label].warmup(setup or None, longest)
+        if isinstance(setup, Speculation) and setup.draft_length.adaptive:  # measured (or read
+            llm_of[label].cost_model(1 + setup.draft_length.draft_max)  # from the cache) untimed
     if warmup:
         short = SamplingParams(max_tokens=8, temperature=params.temperature, seed=params.seed)
         for label, setup in setups.items():

@@ -19,6 +19,11 @@ Policy, per session (the choice carries over from request to request):
    again. A candidate far behind the best (below 0.75x) sits out 1, 2, 4, then 8 re-probes
    while it keeps losing, so a hopeless drafter costs little.
 
+The choice is remembered per model (``memory``: a small JSON file under the cache directory,
+keyed like the cost model by model file, backend, dtype, threads, device and the candidates):
+the next session starts by exploiting it and probes again at the first periodic re-probe,
+after ``reprobe_every // 4`` rounds.
+
 Every decision (round, choice, reason, the rates it saw) goes into the request's
 ``RequestStats.drafter_report``, so the CLI and ``speclm bench`` show what was chosen and why.
 Candidates that learn from the session's text (they have ``observe``, e.g. suffix matching) are
@@ -29,11 +34,14 @@ draft in a request, so an unused draft model costs nothing. Learners of the targ
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from ..cost_model import write_json
 from ..errors import SpeclmError
 from .base import Draft, DraftContext, Drafter, drafter_report, wanted_target_topk
 
@@ -86,7 +94,7 @@ class AutoDrafter:
     """Chooses among ``candidates`` (name -> (drafter, max draft length)) by measured speed."""
 
     def __init__(self, candidates: dict[str, tuple[Drafter, int]], probe_rounds: int = 8,
-                 reprobe_every: int = 256, margin: float = 0.25) -> None:
+                 reprobe_every: int = 256, margin: float = 0.25, memory: Path | None = None) -> None:
         if not candidates:
             raise SpeclmError("auto needs at least one candidate drafter")
         if probe_rounds < 2:
@@ -116,6 +124,26 @@ class AutoDrafter:
         self._reset_done: set[str] = set()
         self._last: list[int] = []  # the current request's tokens, for observe() at its end
         self._request: dict = {}
+        self.memory = memory
+        self.remembered = self._recall()
+
+    def _recall(self) -> str | None:
+        """Start from the choice remembered for this model, if any: no probe before it is used,
+        the first re-probe after a quarter of the usual interval."""
+        try:
+            choice = json.loads(self.memory.read_text())["choice"] if self.memory else None
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if choice not in self.candidates:
+            return None
+        self.choice, self._queue = choice, []
+        self._since_choice = self.reprobe_every - max(1, self.reprobe_every // 4)
+        return choice
+
+    @property
+    def probing(self) -> bool:
+        """Measuring candidates (plain decoding among them): every round must reach them."""
+        return bool(self._queue)
 
     # -- protocol ---------------------------------------------------------------------------
     def reset(self, prompt_ids: torch.Tensor) -> None:
@@ -221,6 +249,8 @@ class AutoDrafter:
         self.choice = best
         self._recent = _Rate(decay=self._recent.decay)
         self._since_choice = 0
+        if self.memory is not None:
+            write_json(self.memory, {"choice": best, "rates": {n: round(r.pooled, 2) for n, r in self.rates.items()}})
 
     def _log(self, action: str, reason: str) -> None:
         self._request["decisions"].append({
@@ -246,7 +276,9 @@ class AutoDrafter:
         active = self.choice or (self._queue[0] if self._queue else None)
         figures = ", ".join(f"{n} {r['tok_s']:.1f}" for n, r in sorted(rates.items(), key=lambda x: -x[1]["tok_s"]))
         inner = drafter_report(self.candidates[active][0]) if active else None
-        summary = (f"auto: {'probing' if self.choice is None else 'chose ' + self.choice}; "
+        remembered = (" (remembered for this model)" if self.remembered is not None
+                      and self.remembered == self.choice and not self._request.get("decisions") else "")
+        summary = (f"auto: {'probing' if self.choice is None else 'chose ' + self.choice}{remembered}; "
                    f"tok/s {figures or 'not measured yet'}; rounds {used}; "
                    f"{len(self._request.get('decisions', []))} decision(s) this request")
         return {"summary": summary, "choice": self.choice, "rates": rates, "rounds": used,

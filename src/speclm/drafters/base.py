@@ -20,6 +20,8 @@ Optional members, looked up with ``getattr`` so that a drafter without them cost
   tokens after each of them (``topk_ids`` [k + 1, t], on the target's device). The top-k is taken
   on the device before the round's one host sync, so asking adds no sync; not asking adds no work.
   Token recycling learns its candidate table from this.
+- ``probing: bool``: True while the drafter measures candidates of its own, plain decoding
+  among them (``auto``); the adaptive draft length then leaves K = 0 to it.
 - ``finish()``: called when a request ends, however it ends (a drafter with worker threads
   stops them here, so that none outlives the request).
 - ``report() -> dict``: a few figures about the request that just ended (which drafter an

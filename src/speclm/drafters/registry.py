@@ -188,7 +188,8 @@ def _auto(ctx: BuildContext, o: dict) -> Drafter:
     from .auto import AutoDrafter, NoDrafter
 
     candidates: dict[str, tuple[Drafter, int]] = {}
-    for text in o["candidates"] or auto_candidates(ctx):
+    names = o["candidates"] or auto_candidates(ctx)
+    for text in names:
         if text == "none":
             candidates[text] = (NoDrafter(), 1)
             continue
@@ -196,7 +197,17 @@ def _auto(ctx: BuildContext, o: dict) -> Drafter:
         if spec.name == "auto":
             raise SpeclmError("auto cannot be a candidate of auto")
         candidates[spec.label] = (build_drafter(spec, ctx), KINDS[spec.name].default_k)
-    return AutoDrafter(candidates, probe_rounds=o["probe"], reprobe_every=o["every"])
+    return AutoDrafter(candidates, probe_rounds=o["probe"], reprobe_every=o["every"],
+                       memory=auto_memory(ctx, names))
+
+
+def auto_memory(ctx: BuildContext, names: tuple[str, ...]) -> Path | None:
+    """Where ``auto`` remembers its choice for this model, backend, dtype, threads, device and
+    candidate set (None for a model without a file: random weights)."""
+    from ..cost_model import cache_path, cost_key, model_file
+
+    key = cost_key(ctx.target, model_file(ctx.target, ctx.model_path))
+    return None if key is None else cache_path({**key, "candidates": list(names)}, "auto")
 
 
 def _check_auto(o: dict) -> None:

@@ -23,6 +23,8 @@ backend; everything else runs here unchanged.
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,15 +41,52 @@ MAX_TREE_NODES = 62  # sequence ids 1..62 for tree nodes, 0 for the committed to
 PARKED = MAX_TREE_NODES + 1  # the sequence that holds rejected tree nodes' cells (see compact)
 
 
+_LOG = {"verbose": False, "errors": []}  # llama.cpp's log: shown only when verbose
+_log_callback = None  # the installed ctypes callback (kept alive here)
+
+
+def set_native_logging(verbose: bool) -> None:
+    """Whether llama.cpp's own log lines (model loader, context and KV cache set-up, per-tensor
+    details) reach stderr. Off by default: they are pages of internals (``load: control-looking
+    token ...``, ``llama_kv_cache_iswa: ...``) that a user of speclm did not ask for; error
+    lines are still kept (the last few) for the message of a failed load."""
+    _LOG["verbose"] = verbose
+
+
+def _install_log_callback(lc) -> None:
+    """Route every llama.cpp / ggml log line through :data:`_LOG` (one process-wide callback)."""
+    global _log_callback
+    if _log_callback is not None:
+        return
+
+    @lc.llama_log_callback
+    def callback(level: int, text: bytes, user_data) -> None:
+        line = text.decode("utf-8", "replace")
+        if _LOG["verbose"]:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        elif level == 3 and line.strip():  # GGML_LOG_LEVEL_ERROR
+            _LOG["errors"] = (_LOG["errors"] + [line.strip()])[-3:]
+
+    _log_callback = callback
+    lc.llama_log_set(callback, ctypes.c_void_p(0))
+
+
 def import_llama_cpp():
-    """The ``llama_cpp`` module, quiet; a one-line error saying how to install it if missing."""
+    """The ``llama_cpp`` module, quiet unless :func:`set_native_logging`; a one-line error
+    saying how to install it if missing."""
     try:
         import llama_cpp
-        from llama_cpp import _logger
+        from llama_cpp import _logger  # noqa: F401  (installs its own callback on import)
     except ImportError:
         raise SpeclmError(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from None
-    _logger.set_verbose(False)  # llama.cpp logs every tensor at load time otherwise
+    _install_log_callback(llama_cpp)  # replaces llama-cpp-python's, which prints by level
     return llama_cpp
+
+
+def last_native_error() -> str:
+    """The last error line llama.cpp logged (for one-line messages), or empty."""
+    return _LOG["errors"][-1] if _LOG["errors"] else ""
 
 
 def llama_cpp_available() -> bool:
@@ -66,7 +105,9 @@ class LlamaCppModel:
         params.n_gpu_layers = 0
         self.ptr = lc.llama_model_load_from_file(str(gguf).encode(), params)
         if not self.ptr:
-            raise SpeclmError(f"llama.cpp cannot load {str(gguf)!r} (not a GGUF model it supports)")
+            detail = last_native_error()
+            raise SpeclmError(f"llama.cpp cannot load {str(gguf)!r} (not a GGUF model it supports"
+                              + (f": {detail})" if detail else ")"))
         self.path = gguf
         self.threads = threads or self.default_threads()
         vocab = lc.llama_model_get_vocab(self.ptr)
