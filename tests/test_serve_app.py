@@ -500,3 +500,12 @@ def test_non_streaming_request_is_aborted_when_its_client_hangs_up(live):
     assert 'speclm_request_failures_total{reason="client_disconnect"} 1.0' in metrics
     ok = httpx.post(f"{url}/v1/completions", json={**COMPLETION, "max_tokens": 3}, timeout=30)
     assert ok.status_code == 200
+
+
+def test_the_server_policy_starts_from_the_measured_cost_model(client, model_dirs):
+    """Adaptive by default in the server too: its draft cap starts from the target's measured
+    verify cost (one row of T tokens seeds a step of T tokens fed), not from nothing."""
+    policy = worker_of(client).engine.policy
+    assert policy is not None and all(policy.cost.measured(t) for t in (1, 2, 4, 8))
+    with make_client(model_dirs["target"], adaptive=False) as fixed:
+        assert not worker_of(fixed).engine.policy.cost.measured(1)

@@ -151,9 +151,11 @@ def build_app(opts: ServeOptions):
     if opts.speculative:  # one drafter per request: each keeps its own state
         factory = functools.partial(NgramDrafter, opts.ngram_min, opts.ngram_max)
         name = f"ngram[{opts.ngram_min}..{opts.ngram_max}]"
+    # the adaptive draft cap starts from the target's measured verify cost (cached per model)
+    prior = llm.cost_model(1 + opts.draft_max) if factory is not None and opts.adaptive else None
     engine = BatchEngine(llm.target, max_batch=opts.max_batch, drafter_factory=factory,
                          draft_config=BatchDraftConfig(opts.draft_max, opts.adaptive),
-                         drafter_name=name)
+                         drafter_name=name, cost_prior=prior)
     metrics = ServerMetrics()
     worker = EngineWorker(engine, llm.tokenizer, metrics, max_queue=opts.max_queue)
     config = ServerConfig(opts.model_name(), opts.api_key, opts.max_body_bytes, opts.shutdown_grace_s,
