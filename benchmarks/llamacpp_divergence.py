@@ -30,10 +30,10 @@ from speclm.models.loading import load_model
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"
 SETTINGS = {  # name: (flash attention, KV type; ggml: 0 = f32, 1 = f16)
-    "flash on, kv f16 (default)": (1, 1),
-    "flash on, kv f32": (1, 0),
-    "flash off, kv f16": (0, 1),
-    "flash off, kv f32": (0, 0),
+    "flash-f16": (1, 1),  # the backend's setting
+    "flash-f32": (1, 0),
+    "noflash-f16": (0, 1),
+    "noflash-f32": (0, 0),
 }
 
 
@@ -100,6 +100,8 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--width", type=int, default=8)
+    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated subset of: "
+                   + "; ".join(SETTINGS))
     args = p.parse_args()
     import_llama_cpp()
     loaded = load_model(args.model, backend="llamacpp")
@@ -107,15 +109,18 @@ def main() -> int:
     weights = loaded.backend.weights
     rows = [json.loads(line) for line in SPEC_BENCH.read_text().splitlines()]
     picked = rows[:: max(1, len(rows) // args.prompts)][: args.prompts]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}],
-                                       add_generation_prompt=True, tokenize=True) for r in picked]
-    prompts = [list(x["input_ids"]) if isinstance(x, dict) or hasattr(x, "keys") else list(x)
-               for x in prompts]
+    if tok.chat_template:
+        texts = [tok.apply_chat_template([{"role": "user", "content": r["turns"][0]}],
+                                         add_generation_prompt=True, tokenize=False) for r in picked]
+    else:  # a base model (Gemma-3-270M): the question as plain text
+        texts = [r["turns"][0] + "\n" for r in picked]
+    prompts = [tok(t, add_special_tokens=not tok.chat_template)["input_ids"] for t in texts]
     print(f"model {args.model}, {len(prompts)} prompts, {args.tokens} tokens each, verify width "
           f"{args.width}, {weights.threads} threads")
     print("| setting | max |Δlogit| | median of per-step max | argmax flips |")
     print("|---|---:|---:|---:|")
-    for name, (flash, kv) in SETTINGS.items():
+    for name in args.settings.split(","):
+        flash, kv = SETTINGS[name]
         ctx = make_context(weights, eos, flash, kv)
         all_diffs, flips = [], 0
         for prompt in prompts:

@@ -249,7 +249,9 @@ def test_engine_crash_fails_the_batch_with_500_and_keeps_serving(model_dirs):
         assert 'speclm_request_failures_total{reason="engine_error"} 2.0' in c.get("/metrics").text
 
 
-def test_stop_cancels_what_outlives_the_grace_period(model_dirs):
+@pytest.mark.parametrize("hurried", [False, True])
+def test_stop_cancels_what_outlives_the_grace_period(model_dirs, hurried):
+    """hurried: a long grace period, cut short the way a second Ctrl-C does."""
     with make_client(model_dirs["target"]) as c:
         worker = worker_of(c)
         gate = hold_steps(worker)
@@ -258,7 +260,11 @@ def test_stop_cancels_what_outlives_the_grace_period(model_dirs):
         while worker.load < 1:
             time.sleep(0.01)
         threading.Timer(0.5, gate.set).start()  # the stuck step ends after the grace period
-        worker.stop(grace_s=0.2)
+        if hurried:
+            threading.Timer(0.3, worker.hurry).start()
+        began = time.monotonic()
+        worker.stop(grace_s=60 if hurried else 0.2)
+        assert time.monotonic() - began < 10
         thread.join(timeout=30)
         assert error_of(results[0], 503)["code"] == "shutting_down"
         assert error_of(c.post("/v1/completions", json=COMPLETION), 503)["code"] == "shutting_down"
@@ -283,6 +289,13 @@ def test_many_messages_are_refused_before_validation(model_dirs):
         body = {**CHAT, "messages": [{"role": "user", "content": ""}] * 200_000}  # ~6 MB
         err = error_of(c.post("/v1/chat/completions", json=body), 400)
         assert err["param"] == "messages" and f"at most {MAX_MESSAGES}" in err["message"]
+        assert "(200000 and 0 sent)" in err["message"]  # counted before validation
+        parts = [{"type": "text", "text": ""}] * 100_000
+        body = {**CHAT, "messages": [{"role": "user", "content": parts}]}
+        err = error_of(c.post("/v1/chat/completions", json=body), 400)
+        assert "(1 and 100000 sent)" in err["message"]
+        err = error_of(c.post("/v1/completions", json={**COMPLETION, "prompt": [1] * 500_000}), 400)
+        assert err["code"] == "context_length_exceeded" and "has 500000" in err["message"]
 
 
 @pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
@@ -385,28 +398,34 @@ def test_retry_after_follows_the_drain_rate_and_spreads_refused_clients():
 
     now = [0.0]
     adm = Admission(rows=4, clock=lambda: now[0])
-    assert adm.admit(load=8, capacity=8, retry=False) == 1.0  # no finishes seen yet: the fallback
+    assert adm.admit(load=8, capacity=8, retries=0) == 1.0  # no finishes seen yet: the fallback
     for _ in range(11):  # requests leave at 2 per second
         now[0] += 0.5
         adm.finished()
     assert adm.drain_rate() == pytest.approx(2.0)
-    waits = [adm.admit(8, 8, False) for _ in range(8)]
+    waits = [adm.admit(8, 8, 0) for _ in range(8)]
     assert waits == sorted(waits) and waits[0] < waits[-1]  # the line is spread out, in order
     # the first refusal is long past due (forgotten): the last of 8 has 8 places ahead, at 2/s
     assert waits[-1] == pytest.approx(8 / 2.0)
     now[0] += waits[0]  # the first refused client is due back: its place is held for it
-    assert adm.admit(7, 8, retry=False) is not None  # a newcomer does not get that place
-    assert adm.admit(7, 8, retry=True) is None  # the returning client does
+    assert adm.admit(7, 8, retries=0) is not None  # a newcomer does not get that place
+    assert adm.admit(7, 8, retries=None) is not None  # nor does a client that does not say
+    assert adm.admit(7, 8, retries=1) is None  # the returning client does
     now[0] += 60  # all past due: forgotten
-    assert adm.waiting == 0 and adm.admit(7, 8, False) is None
+    assert adm.waiting == 0 and adm.admit(7, 8, 0) is None
+    quiet = Admission(rows=1, clock=lambda: now[0])  # clients without the header hold nothing
+    assert quiet.admit(1, 1, None) is not None
+    now[0] += 5
+    assert quiet.admit(0, 1, None) is None  # its own refusal does not keep it out later
     slow = Admission(rows=1, clock=lambda: now[0])
     for _ in range(2):
         now[0] += 100
         slow.finished()
-    assert slow.admit(1, 1, False) == MAX_RETRY_AFTER_S  # capped where the openai clients still honour it
+    assert slow.admit(1, 1, 0) == MAX_RETRY_AFTER_S  # capped where the openai clients still honour it
+    assert max(slow.admit(1, 1, 0) for _ in range(50)) <= MAX_RETRY_AFTER_S  # however long the line
 
 
-def _simulate_clients(policy, seed, clients=24, capacity=8, seconds=120.0):
+def _simulate_clients(policy, seed, clients=24, capacity=8, seconds=120.0, header=True):
     """Closed loop: each client sends a request (0.5-1.5 s of work) as soon as its previous one
     finished, and after a 429 waits as told. Returns (most 429s in a row for one client,
     fewest requests served to one client, requests served in all)."""
@@ -417,26 +436,27 @@ def _simulate_clients(policy, seed, clients=24, capacity=8, seconds=120.0):
 
     rng, now = random.Random(seed), [0.0]
     adm = Admission(rows=capacity // 2, clock=lambda: now[0])
-    events = [(i * 1e-3, 1, i, False) for i in range(clients)]  # (time, arrival?, client, retry)
+    events = [(i * 1e-3, 1, i, 0) for i in range(clients)]  # (time, arrival?, client, tries)
     load, streak, worst, served = 0, [0] * clients, 0, [0] * clients
     while events:
-        t, arrival, c, retry = heapq.heappop(events)
+        t, arrival, c, tries = heapq.heappop(events)
         now[0] = t
         if t > seconds:
             break
         if not arrival:  # a request finished; its client comes straight back
             load -= 1
             adm.finished()
-            heapq.heappush(events, (t + 0.01, 1, c, False))
+            heapq.heappush(events, (t + 0.01, 1, c, 0))
             continue
-        wait = adm.admit(load, capacity, retry) if policy == "drain" else (None if load < capacity else 1.0)
+        retries = tries if header else None
+        wait = adm.admit(load, capacity, retries) if policy == "drain" else (None if load < capacity else 1.0)
         if wait is None:
             load, served[c], streak[c] = load + 1, served[c] + 1, 0
             heapq.heappush(events, (t + rng.uniform(0.5, 1.5), 0, c, False))
         else:
             streak[c] += 1
             worst = max(worst, streak[c])
-            heapq.heappush(events, (t + wait + rng.uniform(0, 0.05), 1, c, True))
+            heapq.heappush(events, (t + wait + rng.uniform(0, 0.05), 1, c, tries + 1))
     return worst, min(served), sum(served)
 
 
@@ -450,6 +470,9 @@ def test_clients_honouring_retry_after_are_not_starved(seed):
     worst_constant, fewest_constant, total_constant = _simulate_clients("constant", seed)
     assert worst * 2 <= worst_constant and fewest > fewest_constant
     assert total >= 0.85 * total_constant
+    # clients that do not mark their retries get no held places, and lose nothing by it
+    _, _, total_quiet = _simulate_clients("drain", seed, header=False)
+    assert total_quiet >= 0.9 * total_constant
 
 
 @pytest.fixture()
@@ -509,3 +532,4 @@ def test_the_server_policy_starts_from_the_measured_cost_model(client, model_dir
     assert policy is not None and all(policy.cost.measured(t) for t in (1, 2, 4, 8))
     with make_client(model_dirs["target"], adaptive=False) as fixed:
         assert not worker_of(fixed).engine.policy.cost.measured(1)
+

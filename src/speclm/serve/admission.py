@@ -15,8 +15,10 @@ straight back and takes the place it freed, ahead of everyone refused. So places
 clients are due back for are held for them: a new request takes only a place no refused client
 is due back for, while a retry (the official openai clients say so in ``x-stainless-retry-count``)
 takes any free place. Admitted requests are served first come, first served (the engine's queue
-is FIFO). A client that retries without saying so is treated as new: it still gets a spread-out
-``Retry-After``, but no held place.
+is FIFO). Places are held only for clients that send that header (on every try), since only
+they can say they are back; others still get a spread-out ``Retry-After``, but no held place.
+The header is the client's word: it keeps honest clients from starving each other, it is no
+defence against a client that lies (rate limiting belongs in front of the server).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class Admission:
         self._clock = clock
         self._finishes: deque[float] = deque(maxlen=window)  # when recent requests left
         self._due: deque[float] = deque()  # when each refused client is due back, ascending
+        self._held: deque[float] = deque()  # the same, for clients whose place is held
         self._lock = threading.Lock()
 
     def finished(self) -> None:
@@ -53,30 +56,36 @@ class Admission:
         with self._lock:
             return self._rate(self._clock())
 
-    def admit(self, load: int, capacity: int, retry: bool) -> float | None:
+    def admit(self, load: int, capacity: int, retries: int | None) -> float | None:
         """Admit a request (returns None) or refuse it (returns how many seconds it should wait:
         sent as ``retry-after-ms``, which the openai clients prefer, and rounded up to whole
         seconds as ``Retry-After``).
 
-        ``load``: requests admitted now; ``capacity``: the most at once. Places that refused
-        clients are due back for are held for them: a request that says it is a retry (the
-        official openai clients send ``x-stainless-retry-count``) may take any free place, any
-        other request only a place nobody is due back for."""
+        ``load``: requests admitted now; ``capacity``: the most at once; ``retries``: the
+        request's ``x-stainless-retry-count`` (the official openai clients send it on every
+        try: 0 first, then 1, 2, ...), None when absent. Places are held only for clients that
+        send it, since only they say when they are back: such a retry may take a held place,
+        anything else only a place nobody is due back for. The held places are at most
+        ``capacity`` and never more than the free places, so a flood of refusals cannot lock
+        newcomers out for longer than one drain."""
         with self._lock:
             now = self._clock()
             self._forget(now)
-            reserved = sum(1 for due in self._due if due <= now + _EARLY_S)
-            if retry and reserved:  # it is back: the earliest due client, as far as we can tell
-                self._due.popleft()
+            free = capacity - load
+            reserved = sum(1 for due in self._held if due <= now + _EARLY_S)
+            if retries and reserved:  # it is back: the earliest due client, as far as we can tell
+                self._held.popleft()
                 reserved -= 1
-            if capacity - load > (0 if retry else reserved):
+            if free > (0 if retries else reserved):
                 return None
             rate = self._rate(now)
             ahead = 1 + len(self._due)  # the place it needs, then everyone refused before it
             wait = ahead / rate if rate else 1.0 + len(self._due) // self.rows
             wait = min(max(_MIN_WAIT_S, wait), MAX_RETRY_AFTER_S)
-            due = max(now + wait, self._due[-1] if self._due else 0.0)
+            due = min(max(now + wait, self._due[-1] if self._due else 0.0), now + MAX_RETRY_AFTER_S)
             self._due.append(due)
+            if retries is not None and len(self._held) < capacity:
+                self._held.append(due)
             return due - now
 
     @property
@@ -87,8 +96,9 @@ class Admission:
             return len(self._due)
 
     def _forget(self, now: float) -> None:
-        while self._due and self._due[0] + _PAST_DUE_S < now:
-            self._due.popleft()
+        for line in (self._due, self._held):
+            while line and line[0] + _PAST_DUE_S < now:
+                line.popleft()
 
     def _rate(self, now: float) -> float | None:
         while self._finishes and self._finishes[0] + _RECENT_S < now:

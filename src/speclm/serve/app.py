@@ -80,12 +80,14 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        log.info("%s %s: %d %s", request.method, request.url.path, exc.status_code, exc.detail)
         return JSONResponse(APIError(exc.status_code, f"{request.method} {request.url.path}: "
                                      f"{exc.detail}", type=kind).body(), status_code=exc.status_code,
                             headers=exc.headers)  # 405 keeps its Allow header
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
+        log.info("%s %s: 400 %s", request.method, request.url.path, exc.errors()[0].get("msg"))
         return JSONResponse(APIError(400, str(exc.errors()[0].get("msg"))).body(), status_code=400)
 
     @app.exception_handler(Exception)
@@ -176,7 +178,8 @@ async def _generate(state: ServerState, request: Request, kind: str):
     raw = await _read_body(request, state.config.max_body_bytes)
     # parsing a few MB of JSON takes a while: off the event loop, so other streams keep flowing
     req = await run_in_threadpool(parse_request, raw,
-                                  ChatCompletionRequest if kind == "chat" else CompletionRequest)
+                                  ChatCompletionRequest if kind == "chat" else CompletionRequest,
+                                  state.max_context)
     _check_model(state, req.model)
     try:
         prompt_ids = await run_in_threadpool(_encode, state, req)
@@ -194,8 +197,9 @@ async def _generate(state: ServerState, request: Request, kind: str):
     except SpeclmError as exc:
         raise APIError(400, str(exc)) from None
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
-    retries = request.headers.get("x-stainless-retry-count", "0")  # sent by the openai clients
-    handle = state.worker.submit(rid, prompt_ids, params, retry=retries.isdigit() and int(retries) > 0)
+    retries = request.headers.get("x-stainless-retry-count")  # the openai clients send it
+    handle = state.worker.submit(rid, prompt_ids, params,
+                                 retries=int(retries) if retries and retries.isdigit() else None)
     timing = _Timing(state, arrival, n)
     events = _events(state, request, handle)
     if req.stream:
@@ -212,7 +216,7 @@ async def _generate(state: ServerState, request: Request, kind: str):
             last = event
     finally:
         await events.aclose()
-    if last is None:  # the client went away; nobody reads this (counted as 499)
+    if last is None or last.finish_reason is None:  # the client went away (counted as 499)
         return Response(status_code=499)
     return completion_body(kind, rid, state.config.model_name, "".join(text), last.finish_reason,
                            last.stats)
@@ -267,9 +271,12 @@ async def _events(state: ServerState, request: Request, handle) -> AsyncIterator
 
 async def _disconnect(request: Request) -> None:
     """Returns when the client's connection closes (the body has been read by then, so the
-    next ASGI message is the disconnect)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
+    next ASGI message is the disconnect), or when the server cannot tell any more."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # the transport failed: as good as gone
+        log.debug("receive failed while watching for a disconnect", exc_info=True)
 
 
 async def _stream(state: ServerState, req, kind: str, rid: str, events: AsyncIterator[Event],

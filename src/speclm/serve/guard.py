@@ -31,21 +31,26 @@ REPLICA_ID = f"replica-{secrets.token_hex(4)}"  # names this process without its
 def host_allowed(host_header: str, allowed: Iterable[str]) -> bool:
     """True if a ``Host`` header (``name``, ``name:port``, ``[v6]:port``) names a loopback host
     (``localhost``, ``*.localhost``, 127.0.0.0/8, ::1) or one of ``allowed`` (``*``: any)."""
-    allowed = {a.lower() for a in allowed}
+    allowed = {_host_name(a) for a in allowed}
     if "*" in allowed:
         return True
-    host = host_header.strip().lower()
-    if host.startswith("["):  # [v6] or [v6]:port
-        host = host[1:].split("]", 1)[0]
-    elif host.count(":") == 1:
-        host = host.split(":", 1)[0]
-    host = host.rstrip(".")
+    host = _host_name(host_header)
     if host in allowed or host == "localhost" or host.endswith(".localhost"):
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _host_name(host: str) -> str:
+    """``Name:port``, ``[v6]:port`` or a bare name -> the lower-case name, no trailing dot."""
+    host = host.strip().lower()
+    if host.startswith("["):  # [v6] or [v6]:port
+        host = host[1:].split("]", 1)[0]
+    elif host.count(":") == 1:
+        host = host.split(":", 1)[0]
+    return host.rstrip(".")
 
 
 class Guard:

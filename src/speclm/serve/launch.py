@@ -179,24 +179,31 @@ def run(args: argparse.Namespace) -> int:
         _check_installed(["ray"], "ray")
     opts = options_from_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="speclm: %(levelname)s %(message)s")
+    _warn_if_exposed(opts)
     if args.ray:
         from .ray_app import run_ray
 
         return run_ray(opts, args)
-    if opts.api_key is None and not _is_loopback(args.host):
-        logging.getLogger("speclm.serve").warning(
-            "listening on %s without --api-key: anyone who can reach it can use it; requests "
-            "are served only for Host names allowed by --allowed-host", args.host)
     app = build_app(opts)
     server = _drain_first_server(app, args, opts.shutdown_grace_s)
     server.run()
     return 0 if server.started else 1
 
 
-def _is_loopback(host: str) -> bool:
+def _warn_if_exposed(opts: ServeOptions) -> None:
+    """Say so when a server without a key can be reached beyond this machine or by web pages."""
     from .guard import host_allowed
 
-    return host_allowed(host if ":" not in host else f"[{host}]", ())
+    log = logging.getLogger("speclm.serve")
+    if opts.api_key is not None:
+        return
+    if not host_allowed(opts.host if ":" not in opts.host else f"[{opts.host}]", ()):
+        log.warning("listening on %s without --api-key: anyone who can reach it can use it; "
+                    "requests are served only for Host names allowed by --allowed-host", opts.host)
+    if opts.cors_origins:
+        log.warning("--cors-allow-origin %s without --api-key: web pages from %s can use this "
+                    "server through their visitors' browsers", ",".join(opts.cors_origins),
+                    "any site" if "*" in opts.cors_origins else "those origins")
 
 
 def _drain_first_server(app, args: argparse.Namespace, grace_s: float):
@@ -214,7 +221,11 @@ def _drain_first_server(app, args: argparse.Namespace, grace_s: float):
     class DrainFirstServer(uvicorn.Server):
         async def shutdown(self, sockets=None) -> None:
             worker = app.state.speclm.worker
-            await asyncio.to_thread(worker.stop, grace_s)
+            draining = asyncio.ensure_future(asyncio.to_thread(worker.stop, grace_s))
+            while not draining.done():
+                if self.force_exit:  # a second Ctrl-C: no more grace
+                    worker.hurry()
+                await asyncio.wait({draining}, timeout=0.1)
             await asyncio.sleep(0.2)  # let the handlers write the events the stop sent them
             await super().shutdown(sockets)
 

@@ -195,8 +195,11 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-def parse_request(raw: bytes, kind: type[_Request]) -> _Request:
-    """Bytes of a request body -> a validated request, or an :class:`APIError` (400)."""
+def parse_request(raw: bytes, kind: type[_Request], max_context: int | None = None) -> _Request:
+    """Bytes of a request body -> a validated request, or an :class:`APIError` (400).
+
+    The sizes that make validation slow (messages, content parts, prompt token ids) are checked
+    on the parsed JSON first: a few MB of tiny items cost seconds to validate, not bytes."""
     try:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -206,9 +209,17 @@ def parse_request(raw: bytes, kind: type[_Request]) -> _Request:
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     messages = data.get("messages")
-    if isinstance(messages, list) and len(messages) > MAX_MESSAGES:
-        raise APIError(400, f"messages: at most {MAX_MESSAGES} messages per request "
-                       f"({len(messages)} sent)", param="messages")
+    if isinstance(messages, list):
+        parts = sum(len(m["content"]) for m in messages
+                    if isinstance(m, dict) and isinstance(m.get("content"), list))
+        if len(messages) > MAX_MESSAGES or parts > MAX_MESSAGES:
+            raise APIError(400, f"messages: at most {MAX_MESSAGES} messages and {MAX_MESSAGES} "
+                           f"content parts per request ({len(messages)} and {parts} sent)",
+                           param="messages")
+    prompt = data.get("prompt")
+    if max_context is not None and isinstance(prompt, list) and len(prompt) >= max_context:
+        raise APIError(400, f"this model's context is {max_context} tokens; the prompt has "
+                       f"{len(prompt)}", param="prompt", code="context_length_exceeded")
     try:  # JSON escapes can spell lone surrogates ("\ud800"), which no tokenizer can encode
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:

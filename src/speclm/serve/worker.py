@@ -67,20 +67,22 @@ class EngineWorker:
         self._wake = threading.Event()
         self._draining = False  # no new requests
         self._stop = False  # fail what is left and exit
+        self._hurry = False  # end the grace period now (a second Ctrl-C)
         self._thread: threading.Thread | None = None
 
     # -- asyncio side ----------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               *, retry: bool = False) -> RequestHandle:
+               *, retries: int | None = None) -> RequestHandle:
         """Queue a request; raises :class:`APIError` 503 when stopping, 429 when full (with a
-        wait from :class:`~speclm.serve.admission.Admission`). ``retry``: the client says this
-        is a retry after a 429, so it may take a place held for refused clients."""
+        wait from :class:`~speclm.serve.admission.Admission`). ``retries``: how many times the
+        client says it tried before (None: it does not say), for the places held for refused
+        clients."""
         handle = RequestHandle(request_id, asyncio.get_running_loop())
         with self._lock:
             if self._draining or not self.alive:
                 raise APIError(503, "the server is shutting down", type="server_error",
                                code="shutting_down")
-            wait = self.admission.admit(len(self._handles), self.capacity, retry)
+            wait = self.admission.admit(len(self._handles), self.capacity, retries)
             if wait is not None:
                 raise APIError(429, f"the server is at capacity ({self.engine.max_batch} running, "
                                f"{self.capacity - self.engine.max_batch} queued); retry in "
@@ -122,12 +124,16 @@ class EngineWorker:
         with self._lock:
             self._draining = True
         deadline = time.monotonic() + grace_s
-        while self._handles and time.monotonic() < deadline and self.alive:
+        while self._handles and time.monotonic() < deadline and self.alive and not self._hurry:
             time.sleep(0.05)
         self._stop = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def hurry(self) -> None:
+        """Cut a running :meth:`stop`'s grace period short."""
+        self._hurry = True
 
     # -- engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
