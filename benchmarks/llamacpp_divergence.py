@@ -9,8 +9,8 @@ flash attention on/off and the KV cache type (f16, llama.cpp's default, or f32).
 For each prompt it decodes greedily one token at a time, keeping each step's one-row logits,
 then recomputes every step's logits as the last row of a ``--width``-token forward (what a
 verify of width-1 drafted tokens computes) and compares: max |difference| over the vocabulary,
-and whether the argmax differs. The near-tie tolerance of the llama.cpp backend
-(``LlamaCppLM.tie_tolerance``) should cover the largest difference measured here.
+and whether the argmax differs. (``speclm bench`` measures the same divergence at each
+position where a greedy output differs from plain decoding, to tell a near-tie from a bug.)
 
     python benchmarks/llamacpp_divergence.py [--model GGUF] [--prompts N] [--tokens 64] [--width 8]
 """

@@ -167,6 +167,39 @@ def test_mismatch_diagnosis_tells_a_bug_from_a_tie(model_dirs):
     assert short["position"] == 4 and "lengths differ" in short["verdict"]
 
 
+def test_near_ties_are_measured_where_kernels_round_rows_differently(model_dirs):
+    """llama.cpp rounds one row and several rows differently: a mismatch is a near-tie when the
+    several-row computation of the position prefers the other token, or the gap is within how
+    far the two computations disagree there; no tolerance is set by hand."""
+    from speclm import LLM
+    from speclm.bench.runner import diagnose_mismatch
+
+    llm = LLM(str(model_dirs["target"]), dtype="float64")
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    plain = llm.chat(messages, SamplingParams(max_tokens=6, ignore_eos=True), speculative=False).token_ids
+    llm.target.reset()
+    logits = llm.target.forward(torch.tensor(llm.encode(messages) + plain[:3]), 0).logits[-1]
+    llm.target.reset()
+    other = int(logits.topk(2).indices[1])  # the runner-up at position 3
+    gap = float(logits[plain[3]] - logits[other])
+    wrong = plain[:3] + [other] + plain[4:]
+    forward = llm.target.forward
+
+    def several_rows_round_differently(token_ids, start_pos, *args, **kwargs):
+        out = forward(token_ids, start_pos, *args, **kwargs)
+        if token_ids.shape[0] > 1:  # a verify's kernels: the runner-up comes out ahead
+            out.logits = out.logits.clone()
+            out.logits[..., other] += shift
+        return out
+
+    llm.target.forward = several_rows_round_differently
+    shift = 1.5 * gap
+    tie = diagnose_mismatch(llm, messages, plain, wrong)
+    assert tie["margin"] == pytest.approx(gap) and tie["verdict"].startswith("numerical near-tie")
+    shift = 0.0  # every way of computing the position agrees: the other token is a bug
+    assert diagnose_mismatch(llm, messages, plain, wrong)["verdict"].startswith("BUG")
+
+
 def test_a_methods_own_engine_options_decide_its_backend(monkeypatch):
     """torch options of a method's own make it torch even where the command's --backend auto
     chose llama.cpp for a GGUF file; backend=llamacpp of its own drops the command's torch
