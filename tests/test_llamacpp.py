@@ -202,6 +202,7 @@ def test_llamacpp_logs_are_silent_unless_verbose(capfd):
     from speclm.models.loading import find_gguf
 
     gguf = find_gguf("default")
+    set_native_logging(False)  # what a command without --verbose sets (an earlier test may not have)
     capfd.readouterr()
     LlamaCppLM(LlamaCppModel(gguf), frozenset()).forward(torch.tensor([1, 2, 3]), 0)
     assert capfd.readouterr().err == ""  # the loader and context logs are dropped
