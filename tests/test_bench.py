@@ -254,3 +254,19 @@ def test_guard_flags_a_method_slower_than_plain_in_a_category():
     rows = {line.split(" | ")[0] + line.split(" | ")[1]: line for line in table.splitlines() if line.startswith("| ")}
     assert rows["| ngramqa"].endswith("| SLOW |") and not rows["| ngramcode"].endswith("| SLOW |")
     assert not rows["| suffixqa"].endswith("| SLOW |") and lines[0] in table
+
+
+def test_a_base_model_without_a_chat_template_is_benchmarked_on_plain_text(model_dirs):
+    """Gemma-3-270M is a base model: the bench sends it the conversation as plain text instead
+    of stopping at the missing chat template; greedy identity still holds."""
+    from speclm import LLM
+    from speclm.bench.runner import bench_prompt, run_bench
+
+    llm = LLM(str(model_dirs["no_template"]), dtype="float64")
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    assert bench_prompt(llm, messages) == "User: the quick brown fox\nAssistant:"
+    prompts = [dict(id=1, category="echo", turns=["the quick brown fox jumps", "and again"])]
+    rows = run_bench(llm, [parse_method("plain"), parse_method("ngram:k=3")], prompts,
+                     SamplingParams(max_tokens=8, ignore_eos=True), progress=False, log=lambda *_: None)
+    spec = [r for r in rows if r["method"] == "ngram:k=3"]
+    assert len(spec) == 2 and all(r["identical"] for r in spec)

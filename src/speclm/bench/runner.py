@@ -144,14 +144,26 @@ def reference_plains(pool: EnginePool, specs: list[MethodSpec], setups: dict[str
     return added
 
 
+def bench_prompt(llm: LLM, messages: list[dict]) -> list[dict] | str:
+    """What a turn sends: the chat messages, or, for a model without a chat template (a base
+    model such as Gemma-3-270M), the conversation as plain text ending where the answer starts."""
+    if getattr(llm.tokenizer, "chat_template", None):
+        return messages
+    return "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+
+
 def _run_one(llm: LLM, setup, messages: list[dict], params: SamplingParams) -> dict:
+    prompt = bench_prompt(llm, messages)
     if _is_peer(setup):
-        prompt_ids = llm.encode(messages)
+        prompt_ids = llm.encode(prompt)
         ids, elapsed = setup.run(prompt_ids, params)
         text = llm.tokenizer.decode(ids, skip_special_tokens=True)
         return dict(token_ids=ids, text=text, tokens=len(ids), prompt_tokens=len(prompt_ids),
                     time_s=elapsed, tok_s=len(ids) / elapsed if elapsed > 0 else 0.0)
-    out = llm.chat(messages, params, speculative=setup)
+    if isinstance(prompt, str):
+        out = llm.generate(prompt, params, speculative=setup)[0]
+    else:
+        out = llm.chat(prompt, params, speculative=setup)
     s = out.stats
     row = dict(token_ids=out.token_ids, text=out.text, tokens=s.generated_tokens,
                prompt_tokens=s.prompt_tokens, time_s=s.total_time_s, tok_s=s.tokens_per_s,
@@ -190,7 +202,7 @@ def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids:
     if at is None:  # one is a prefix of the other: the stopping rule differed, never a tie
         return dict(position=min(len(ids), len(plain_ids)), margin=None,
                     verdict=f"BUG: lengths differ ({len(ids)} vs plain's {len(plain_ids)})")
-    prefix = torch.tensor(llm.encode(messages) + plain_ids[:at], dtype=torch.long)
+    prefix = torch.tensor(llm.encode(bench_prompt(llm, messages)) + plain_ids[:at], dtype=torch.long)
     target, ours, theirs = llm.target, plain_ids[at], ids[at]
     gaps = []  # logit[plain's token] - logit[the other], per way of computing the position
     for width in sorted({min(w, prefix.shape[0]) for w in _WIDTHS}):
@@ -250,8 +262,8 @@ def run_bench(
     llm_of = {label: pool.get(engine[label] if not isinstance(setups[label], str) else engine[first_plain])
               for label in setups}
     # the fast path compiles each verify width and cache size up front, not inside a request
-    encode = llm_of[plain_labels[0]].encode
-    longest = max((len(encode([{"role": "user", "content": "\n".join(p["turns"])}]))
+    first = llm_of[plain_labels[0]]
+    longest = max((len(first.encode(bench_prompt(first, [{"role": "user", "content": "\n".join(p["turns"])}])))
                    + (params.max_tokens + 16) * len(p["turns"]) for p in prompts), default=0)
     for label, setup in setups.items():
         if isinstance(setup, Speculation) or setup is False:
@@ -287,7 +299,8 @@ def run_bench(
                     if ref_row is not None and ref_row.get("error"):
                         raise SpeclmError(f"plain decoding failed: {ref_row['error']}")
                     if isinstance(getattr(setup, "drafter", None), OracleDrafter):
-                        setup.drafter.set_continuation(len(llm.encode(messages)), ref_row["token_ids"])
+                        setup.drafter.set_continuation(len(llm.encode(bench_prompt(llm, messages))),
+                                                      ref_row["token_ids"])
                     row = _run_one(llm, setup, messages, params)
                 except Exception as exc:
                     # a user-level problem (a prompt longer than the context) or a peer's failure
