@@ -16,12 +16,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from speclm.batch import BatchDraftConfig, BatchEngine, BatchModel, StepCostModel
+from speclm.batch import BatchDraftConfig, BatchModel, StepCostModel
 from speclm.batch.draft_policy import BatchDraftPolicy
 from speclm.bench.oracle import OracleDrafter
 from speclm.drafters import NgramDrafter
 from speclm.draft_length import DraftLengthConfig
+from speclm.engine import Engine
 from speclm.errors import SpeclmError
+from speclm.models.rows import make_rows
 from speclm.sampling import SamplingParams
 
 from .conftest import backend, tiny_model
@@ -33,6 +35,12 @@ VOCAB = 96
 @pytest.fixture(scope="module")
 def target():
     return tiny_model(VOCAB, seed=10)
+
+
+def batch_engine(lm, max_batch, factory=None, draft_max=10, adaptive=True):
+    """The engine over ``max_batch`` rows of ``lm``, each request drafting with ``factory()``."""
+    return Engine(make_rows(lm, max_batch), drafter_factory=None if factory is None else lambda _: factory(),
+                  draft_length=DraftLengthConfig(draft_max, 0, adaptive))
 
 
 def drive(engine, arrivals, aborts=None):
@@ -81,13 +89,13 @@ def workload(target):
 @pytest.mark.parametrize("setup", ["plain", "ngram-fixed", "ngram-adaptive", "oracle-0.5", "oracle-0.9"])
 def test_batched_greedy_equals_solo(target, workload, setup):
     reqs, lengths, solo = workload
-    factory, config = None, BatchDraftConfig(draft_max=6, adaptive=setup == "ngram-adaptive")
+    factory = None
     if setup.startswith("ngram"):
         factory = lambda: NgramDrafter(1, 3)  # noqa: E731
     elif setup.startswith("oracle"):
         continuations = {tuple(p.tolist()): out for p, out in zip(reqs, solo)}
         factory = oracle_factory(float(setup.split("-")[1]), continuations)
-    engine = BatchEngine(backend(target), max_batch=5, drafter_factory=factory, draft_config=config)
+    engine = batch_engine(backend(target), 5, factory, draft_max=6, adaptive=setup == "ngram-adaptive")
     # some join at once (more than max_batch: they queue), others join mid-way
     arrivals = {0: [], 3: [], 11: []}
     for i, (p, m) in enumerate(zip(reqs, lengths)):
@@ -101,15 +109,14 @@ def test_batched_greedy_equals_solo(target, workload, setup):
         accepted += stats.accepted_tokens
     if setup != "plain":
         assert accepted > 0  # drafts were accepted, so rows rolled back by different amounts
-    assert engine.model.cache.lengths.sum() == 0 and not engine.running
+    assert engine.rows.cache.lengths.sum() == 0 and not engine.running
 
 
 def test_abort_mid_way_leaves_others_unchanged(target):
     lm = backend(target)
     reqs = prompts(6, seed=8)
     solo = [run(lm, p, SamplingParams(max_tokens=30, ignore_eos=True))[0] for p in reqs]
-    engine = BatchEngine(backend(target), max_batch=4, drafter_factory=lambda: NgramDrafter(1, 3),
-                         draft_config=BatchDraftConfig(draft_max=4, adaptive=False))
+    engine = batch_engine(backend(target), 4, lambda: NgramDrafter(1, 3), draft_max=4, adaptive=False)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     out = drive(engine, {0: [(str(i), p, params) for i, p in enumerate(reqs)]},
                 aborts={2: ["1"], 5: ["4"]})
@@ -128,7 +135,7 @@ def test_prompts_of_any_length_join_together(target):
     reqs = [torch.tensor([7]), torch.tensor([9]), prompts(1, seed=4)[0], torch.tensor([3]), *long_ones]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     solo = [run(lm, p, params)[0] for p in reqs]
-    engine = BatchEngine(backend(target), max_batch=6, drafter_factory=lambda: NgramDrafter(1, 3))
+    engine = batch_engine(backend(target), 6, lambda: NgramDrafter(1, 3))
     out = drive(engine, {0: [("0", reqs[0], params), ("1", reqs[1], params)],
                          2: [(str(i), reqs[i], params) for i in range(2, 6)]})
     assert [out[str(i)][0] for i in range(6)] == solo
@@ -142,10 +149,10 @@ def test_eos_and_context_end_requests(target):
     lm.eos_token_ids = frozenset({eos})
     short = backend(tiny_model(VOCAB, seed=10, max_positions=len(prompt) + 8))
     short.eos_token_ids = frozenset({eos})
-    engine = BatchEngine(lm, max_batch=2, drafter_factory=lambda: NgramDrafter(1, 3))
+    engine = batch_engine(lm, 2, lambda: NgramDrafter(1, 3))
     out = drive(engine, {0: [("eos", prompt, SamplingParams(max_tokens=20))]})
     assert out["eos"][0] == free[: free.index(eos) + 1] and out["eos"][1] == "stop"
-    engine = BatchEngine(short, max_batch=2)
+    engine = batch_engine(short, 2)
     out = drive(engine, {0: [("ctx", prompt, SamplingParams(max_tokens=50, ignore_eos=True))]})
     assert len(out["ctx"][0]) == 8 and out["ctx"][1] == "length"
     with pytest.raises(SpeclmError, match="context"):
@@ -198,7 +205,7 @@ def test_seeded_plain_sampling_in_a_batch_equals_solo(target):
     params = [SamplingParams(temperature=0.9, top_p=0.9, max_tokens=25, seed=100 + i, ignore_eos=True)
               for i in range(len(reqs))]
     solo = [run(lm, p, sp, gen=sp.make_generator())[0] for p, sp in zip(reqs, params)]
-    engine = BatchEngine(backend(target), max_batch=3)
+    engine = batch_engine(backend(target), 3)
     out = drive(engine, {0: [(str(i), p, sp) for i, (p, sp) in enumerate(zip(reqs, params))]})
     assert [out[str(i)][0] for i in range(len(reqs))] == solo
 
@@ -212,10 +219,9 @@ def test_seeded_speculative_sampling_is_independent_of_the_batch(target):
                for i in range(3)]
     solo = [run(lm, p, sp, NgramDrafter(1, 3), DraftLengthConfig(draft_max=5), sp.make_generator())[0]
             for p, sp in zip(reqs, sampled)]
-    engine = BatchEngine(backend(target), max_batch=6, drafter_factory=lambda: NgramDrafter(1, 3),
-                         draft_config=BatchDraftConfig(draft_max=5, adaptive=True))
-    engine.policy.cost.observe(6, 1e-3)  # make drafting look expensive: the cap goes to 0
-    engine.policy.cost.observe(36, 1.0)
+    engine = batch_engine(backend(target), 6, lambda: NgramDrafter(1, 3), draft_max=5, adaptive=True)
+    engine.batch_policy.cost.observe(6, 1e-3)  # make drafting look expensive: the cap goes to 0
+    engine.batch_policy.cost.observe(36, 1.0)
     greedy = SamplingParams(max_tokens=30, ignore_eos=True)
     out = drive(engine, {0: [(str(i), p, sampled[i] if i < 3 else greedy) for i, p in enumerate(reqs)]})
     assert [out[str(i)][0] for i in range(3)] == solo
@@ -226,8 +232,7 @@ def test_batched_speculative_sampling_matches_target_distribution():
     """Three tokens per request, K = 2, prompt lookup; 32 rows per batch with different seeds."""
     vocab, length, n = 5, 3, 1500
     _, lm, params, prompt, expected = sampling_setup(vocab, length)
-    engine = BatchEngine(lm, max_batch=32, drafter_factory=lambda: NgramDrafter(1, 2),
-                         draft_config=BatchDraftConfig(draft_max=2, adaptive=False))
+    engine = batch_engine(lm, 32, lambda: NgramDrafter(1, 2), draft_max=2, adaptive=False)
     # a second, longer prompt shares the batch so that rows are ragged
     other = torch.cat([prompt, prompt])
     arrivals = {0: [(f"r{i}", prompt if i % 4 else other, replace(params, seed=i))

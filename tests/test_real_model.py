@@ -107,11 +107,14 @@ def test_trees_learned_and_async_drafters_greedy_identity(llm, prompts, text):
 def test_batched_greedy_identity(llm, prompts):
     """The server's batched engine (prompt lookup, adaptive K) on six Spec-Bench questions at
     once, prompts of very different lengths: each output equals its solo plain output."""
-    from speclm.batch import BatchEngine
+    from speclm.draft_length import DraftLengthConfig
     from speclm.drafters import NgramDrafter
+    from speclm.engine import Engine
+    from speclm.models.rows import make_rows
 
     params = SamplingParams(max_tokens=24)
-    engine = BatchEngine(llm.target, max_batch=6, drafter_factory=lambda: NgramDrafter(2, 3))
+    engine = Engine(make_rows(llm.target, 6), drafter_factory=lambda _: NgramDrafter(2, 3),
+                    draft_length=DraftLengthConfig(10, 0, True))
     expected, outputs = {}, {}
     for p in prompts:
         messages = [{"role": "user", "content": p["turns"][0]}]

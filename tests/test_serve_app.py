@@ -227,7 +227,7 @@ def test_full_queue_answers_429_then_recovers(model_dirs):
 
 def test_engine_crash_fails_the_batch_with_500_and_keeps_serving(model_dirs):
     with make_client(model_dirs["target"]) as c:
-        model = worker_of(c).engine.model
+        model = worker_of(c).engine.rows
         forward, crashes = model.forward, [1]
 
         def crashing_forward(*args, **kwargs):
@@ -528,8 +528,8 @@ def test_non_streaming_request_is_aborted_when_its_client_hangs_up(live):
 def test_the_server_policy_starts_from_the_measured_cost_model(client, model_dirs):
     """Adaptive by default in the server too: its draft cap starts from the target's measured
     verify cost (one row of T tokens seeds a step of T tokens fed), not from nothing."""
-    policy = worker_of(client).engine.policy
+    policy = worker_of(client).engine.batch_policy
     assert policy is not None and all(policy.cost.measured(t) for t in (1, 2, 4, 8))
     with make_client(model_dirs["target"], adaptive=False) as fixed:
-        assert not worker_of(fixed).engine.policy.cost.measured(1)
+        assert not worker_of(fixed).engine.batch_policy.cost.measured(1)
 

@@ -6,7 +6,7 @@ token generator; ``generate``, ``chat``, the CLI and the benchmarks consume that
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Union
@@ -22,6 +22,7 @@ from .drafters.tree_search import TreeShape
 from .engine import generate_tokens
 from .errors import SpeclmError
 from .models import LoadedModel, load_model
+from .models.base import CausalLM
 from .models.loading import resolve_model_path
 from .sampling import SamplingParams
 from .specs import OptionString
@@ -44,6 +45,15 @@ class Speculation:
     """A drafter with its draft-length settings; ``name`` appears in stats."""
 
     drafter: Drafter
+    draft_length: DraftLengthConfig
+    name: str
+
+
+@dataclass
+class RowDrafters:
+    """A drafter setup for the rows of a batch: one drafter per row from ``factory``."""
+
+    factory: Callable[[CausalLM | None], Drafter]  # the row's target handle -> its drafter
     draft_length: DraftLengthConfig
     name: str
 
@@ -150,14 +160,7 @@ class LLM:
         self,
         speculative_model: str | OptionString | Drafter | None,
         num_speculative_tokens: int | None = None,
-        *,
-        draft_min: int = 0,
-        draft_p_min: float = 0.0,
-        adaptive_draft: bool = True,
-        async_draft: bool = False,
-        async_fanout: int = 8,
-        ngram_min: int = 2,
-        ngram_max: int = 3,
+        **options,
     ) -> Speculation | None:
         """Build a drafter setup for this target (arguments as in the constructor; a parsed
         drafter spec from ``speclm.drafters.registry.parse_drafter`` is also accepted).
@@ -167,13 +170,59 @@ class LLM:
         if speculative_model is None:
             return None
         if isinstance(speculative_model, Drafter):
-            if async_draft:
+            if options.get("async_draft"):
                 from .drafters.ssd import make_async
 
-                speculative_model = make_async(speculative_model, async_fanout)
+                speculative_model = make_async(speculative_model, options.get("async_fanout", 8))
             draft_length = DraftLengthConfig(5 if num_speculative_tokens is None else num_speculative_tokens,
-                                             draft_min, adaptive_draft)
+                                             options.get("draft_min", 0), options.get("adaptive_draft", True))
             return Speculation(speculative_model, draft_length, type(speculative_model).__name__)
+        rows = self.row_drafters(speculative_model, num_speculative_tokens, **options)
+        return Speculation(rows.factory(self.target), rows.draft_length, rows.name)
+
+    def row_drafters(
+        self,
+        speculative_model: str | OptionString,
+        num_speculative_tokens: int | None = None,
+        *,
+        draft_min: int = 0,
+        draft_p_min: float = 0.0,
+        adaptive_draft: bool = True,
+        async_draft: bool = False,
+        async_fanout: int = 8,
+        ngram_min: int = 2,
+        ngram_max: int = 3,
+    ) -> RowDrafters:
+        """A drafter spec (as in the constructor) checked once, and a factory that builds a
+        drafter of it for each row of a batch (speclm.engine): ``factory(handle)`` gets the
+        row's own target handle (self-drafting runs the target's layers on that row's cache) and
+        shares every loaded weight (draft models, trained heads) with the drafters before it."""
+        spec = self._drafter_spec(speculative_model, draft_p_min, ngram_min, ngram_max, async_draft,
+                                  async_fanout)
+        k = KINDS[spec.name].default_k if num_speculative_tokens is None else num_speculative_tokens
+        draft_length = DraftLengthConfig(k, draft_min, adaptive_draft)  # checked before building
+        loaded: dict[str, object] = {}  # draft models by path, loaded once and forked per row
+
+        def load_draft(path: str, p_min: float, tree: TreeShape | None = None) -> DraftModelDrafter:
+            if path not in loaded:
+                loaded[path] = self._load_draft_backend(path)
+            backend = loaded[path]
+            return DraftModelDrafter(backend.fork() if built else backend, self.target.vocab_size,
+                                     p_min=p_min, tree=tree)
+
+        built: list[bool] = []
+
+        def factory(handle: CausalLM | None = None) -> Drafter:
+            target = handle if handle is not None else self.target
+            drafter = build_drafter(spec, BuildContext(target, self.tokenizer, self._loaded.path,
+                                                       load_draft, progress=not built))
+            built.append(True)
+            return drafter
+
+        return RowDrafters(factory, draft_length, drafter_label(spec))
+
+    def _drafter_spec(self, speculative_model, draft_p_min: float, ngram_min: int, ngram_max: int,
+                      async_draft: bool, async_fanout: int) -> OptionString:
         if isinstance(speculative_model, OptionString):
             spec = speculative_model
         elif isinstance(speculative_model, str) and is_drafter_spec(speculative_model):
@@ -196,24 +245,17 @@ class LLM:
             spec = OptionString(spec.label, spec.name,
                                 {**defaults, **spec.options, "async": 1, "fanout": async_fanout})
             KINDS[spec.name].check(spec.options)
-        k = KINDS[spec.name].default_k if num_speculative_tokens is None else num_speculative_tokens
-        draft_length = DraftLengthConfig(k, draft_min, adaptive_draft)  # checked before building
-        drafter = build_drafter(spec, BuildContext(self.target, self.tokenizer, self._loaded.path,
-                                                   self._load_draft_model))
-        return Speculation(drafter, draft_length, drafter_label(spec))
+        return spec
 
-    def _load_draft_model(self, spec: str, p_min: float, tree: TreeShape | None = None) -> DraftModelDrafter:
+    def _load_draft_backend(self, spec: str) -> CausalLM:
         if resolve_model_path(spec) == self._loaded.path:  # self-drafting: share the weights
-            backend = self.target.fork()
-        elif self.backend_name == "llamacpp":  # a GGUF draft runs on llama.cpp too
+            return self.target.fork()
+        if self.backend_name == "llamacpp":  # a GGUF draft runs on llama.cpp too
             draft = load_model(spec, device=self._device, dtype=self._dtype, backend="auto")
-            check_vocab_compatible(self.tokenizer, draft.tokenizer)
-            backend = draft.backend
         else:
             draft = load_model(spec, device=self._device, dtype=self._dtype or self.target.dtype, backend="torch")
-            check_vocab_compatible(self.tokenizer, draft.tokenizer)
-            backend = draft.backend
-        return DraftModelDrafter(backend, self.target.vocab_size, p_min=p_min, tree=tree)
+        check_vocab_compatible(self.tokenizer, draft.tokenizer)
+        return draft.backend
 
     def cost_model(self, max_width: int = 1) -> CostModel:
         """The target's verify cost (seconds per forward of T tokens, T up to ``max_width``):

@@ -1,37 +1,47 @@
-"""The speculative decoding loop, as a generator of committed tokens.
+"""The one decoding loop: speculative decoding over a batch of requests, a step at a time.
 
-Invariant: the target's cache holds every committed token but the last (the *pending* token).
-One round:
+Every request is a row of a batch: ``LLM.generate``, the CLI and ``speclm bench`` run a batch of
+one (:func:`generate_tokens`), ``speclm serve`` a continuous batch that requests join and leave
+between steps. Invariant per row: the target's cache slot holds every committed token but the
+last (the *pending* token). One :meth:`Engine.step`:
 
-1. the drafter proposes k tokens continuing the committed tokens (k = 0: plain decoding), as a
-   chain or as a token tree;
-2. the target runs [pending, d_1 .. d_k] in one forward (a chain at positions n-1 .. n-1+k; a
-   tree at n-1 + depth under the tree mask), giving logits [k+1, V] where row 0 judges the first
-   draft position and row i + 1 the children of d_{i+1} (or the bonus position);
-3. the verifier accepts a path d_1 .. d_a and draws one more token (recovered or bonus);
-4. the target's cache keeps the accepted path (a crop for a chain), the drafter is told the
-   verdict, and the a+1 tokens are committed; a drafter that asks for it
-   (``wants_target_topk``, drafters/base.py) is also handed the target's top-k ids at every
-   verified position, taken on the device before the sync.
+1. retire rows that ended; admit waiting requests into free slots; feed prompts to the target
+   a chunk at a time under a per-step token budget (chunked prefill), so that a long prompt
+   never holds running rows up for more than about one chunk's forward;
+2. draft: each decoding row's drafter proposes up to the row's K (its own measured acceptance
+   and the target's cost: :class:`~speclm.draft_length.DraftLengthPolicy`), a chain or a token
+   tree; with several rows the batch policy may cap deterministic chains further, from the
+   measured cost of the step's (rows x tokens) (speclm.batch.draft_policy);
+3. verify: one target forward runs ``[pending_b, d_b1 .. d_bk]`` for every row at its own
+   positions (logits [B, T, V]); the one verifier judges each row with the row's own sampling
+   params and generator, so a row's tokens never depend on its neighbours;
+4. commit: each row keeps its accepted path (a crop, or a tree compaction), its drafter hears
+   the verdict (and gets the target's features or top-k when it asks: drafters/base.py), and
+   the accepted tokens plus one recovered or bonus token are committed.
 
-Plain decoding is the same loop with no drafter, so the baseline shares the sampler, the cache
-and the timing code with every speculative method. The loop makes one host sync per round.
+Plain decoding is the same loop with no drafter (K = 0), so the baseline shares the sampler, the
+cache and the timing code with every speculative method. A step makes one host sync.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
+from .batch.draft_policy import BatchDraftConfig, BatchDraftPolicy
 from .cost_model import CostModel
-from .draft_length import DraftLengthConfig, DraftLengthPolicy
-from .drafters.base import Draft, DraftContext, Drafter, drafter_report, wanted_target_topk
+from .draft_length import DraftLengthConfig, DraftLengthPolicy, update_acceptance
+from .drafters.base import Draft, DraftContext, Drafter, wanted_target_topk
 from .errors import SpeclmError
 from .models.base import CausalLM
+from .models.rows import RowsOutput, SlotRows, TargetRows
 from .sampling import SamplingParams
+from .sequence import Sequence
 from .stats import RequestStats
 from .verifier import verify
 
@@ -44,15 +54,388 @@ class Step:
     finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens or context) or None
 
 
+@dataclass
+class SeqOutput:
+    """What one step committed for one request."""
+
+    request_id: str
+    step: Step
+    stats: RequestStats  # live; complete once step.finish_reason is set
+
+
+@dataclass
+class StepReport:
+    """What one engine step did, for metrics."""
+
+    batch_size: int = 0  # rows in the decode forward (0: no decode this step)
+    fed_per_row: int = 0  # T = 1 + the longest draft verified
+    draft_cap: int = 0  # K of the widest row after the batch cap (0: a plain step)
+    longest_draft: int = 0  # the longest draft proposed before the batch cap
+    drafted: int = 0  # draft tokens verified, all rows
+    accepted: int = 0
+    committed: int = 0  # tokens committed, all rows
+    decode_s: float = 0.0  # target forward + verification
+    draft_s: float = 0.0
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    judged_per_position: list[int] = field(default_factory=list)  # [K] rows judged at position i
+    accepted_per_position: list[int] = field(default_factory=list)  # [K] rows accepted there
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":  # honest timing: wait for queued kernels
         torch.cuda.synchronize(device)
 
 
-def _features(out, layers: tuple[int, ...], rows: list[int] | None) -> torch.Tensor:
-    """The drafter's requested hidden layers at ``rows`` (None: all), concatenated: [T, L * H]."""
-    hidden = torch.cat([out.hidden_states[i] for i in layers], dim=-1)  # [T_fed, L * H]
-    return hidden if rows is None else hidden[rows]
+def _feature_layers(seqs: list[Sequence]) -> list[int]:
+    """The hidden layers any of these rows' drafters reads (drafters/base.py)."""
+    return sorted({i for s in seqs for i in getattr(s.drafter, "feature_layers", None) or ()})
+
+
+def _features(out: RowsOutput, seq: Sequence, b: int, positions) -> None:
+    """Hand row ``b``'s drafter its layers at ``positions``: [len, L * H]."""
+    layers = getattr(seq.drafter, "feature_layers", None)
+    if layers:
+        seq.drafter.on_target_features(torch.cat([out.hidden_states[i][b, positions] for i in layers], -1))
+
+
+class Engine:
+    """Continuous batching over the rows of one target; a single request is a batch of one.
+
+    ``drafter_factory(handle)`` builds a drafter for each request that brings none, given its
+    row's single-row target handle where the backend has one (``TargetRows.handle``).
+    ``prefill_chunk``: most prompt tokens fed per step (None: whole prompts at once).
+    Not thread-safe: one thread calls :meth:`add`, :meth:`abort` and :meth:`step`.
+    """
+
+    def __init__(
+        self,
+        rows: TargetRows,
+        *,
+        drafter_factory: Callable[[CausalLM | None], Drafter] | None = None,
+        draft_length: DraftLengthConfig | None = None,
+        cost_prior: CostModel | None = None,
+        prefill_chunk: int | None = None,
+        drafter_name: str = "none",
+    ) -> None:
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise SpeclmError(f"the prefill chunk must be >= 1 token, got {prefill_chunk}")
+        self.rows = rows
+        self.max_batch = rows.num_slots
+        self.drafter_factory = drafter_factory
+        self.draft_length = draft_length or DraftLengthConfig()
+        self.cost_prior = cost_prior
+        self.prefill_chunk = prefill_chunk
+        self.drafter_name = drafter_name if drafter_factory is not None else "none"
+        self.batch_policy = None
+        if rows.num_slots > 1:  # the step's draft cap from measured (rows x tokens) cost
+            self.batch_policy = BatchDraftPolicy(
+                BatchDraftConfig(self.draft_length.draft_max, self.draft_length.adaptive), cost_prior)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # running[i] lives in slot i; decoding rows first
+
+    @property
+    def speculative(self) -> bool:
+        """Requests get drafters by default."""
+        return self.drafter_factory is not None
+
+    # -- requests --------------------------------------------------------------------------
+    def add(self, request_id: str, prompt_ids: list[int] | torch.Tensor, params: SamplingParams, *,
+            drafter: Drafter | None = None, generator: torch.Generator | None = None,
+            stats: RequestStats | None = None) -> Sequence:
+        """Queue a request; it joins at the next step with a free slot. ``drafter``: this
+        request's own (else one from the factory, if any); ``stats`` is filled in as it runs."""
+        params.validate()
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long).detach().to("cpu").flatten()
+        n = int(prompt.shape[0])
+        if n == 0:
+            raise SpeclmError("the prompt is empty")
+        if n >= self.rows.max_context:
+            raise SpeclmError(f"the prompt has {n} tokens but the model's context is {self.rows.max_context}")
+        limit = min(self.rows.max_context, n + params.max_tokens)
+        tokens = torch.empty(limit, dtype=torch.long)
+        tokens[:n] = prompt
+        if stats is None:
+            stats = RequestStats(drafter=self.drafter_name if drafter is None else type(drafter).__name__,
+                                 backend=getattr(self.rows, "backend_name", "torch"))
+        stats.prompt_tokens = n
+        gen = generator if generator is not None else params.make_generator(self.rows.device)
+        seq = Sequence(request_id, params, gen, drafter, tokens, n, limit, stats,
+                       own_drafter=drafter is not None)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request; its row is freed at the start of the next step."""
+        for seq in (*self.waiting, *self.running):
+            if seq.request_id == request_id:
+                seq.aborted = True
+        for seq in [s for s in self.waiting if s.aborted]:
+            seq.close()
+        self.waiting = deque(s for s in self.waiting if not s.aborted)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def reset(self) -> list[Sequence]:
+        """After a failed step: drop every running request (returned) and the whole cache."""
+        dropped, self.running = self.running, []
+        for seq in dropped:
+            seq.close()
+        self.rows.clear()
+        return dropped
+
+    def close(self) -> None:
+        """End every request now (their drafters stop, their stats are completed)."""
+        for seq in self.waiting:
+            seq.close()
+        self.waiting.clear()
+        for seq in self.running:
+            seq.aborted = True
+        self._retire()
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> tuple[list[SeqOutput], StepReport]:
+        report = StepReport()
+        self._retire()
+        self._admit()
+        self._prefill(report)
+        self._arrange()
+        decoding = sum(1 for s in self.running if s.decoding)
+        outputs = self._decode(self.running[:decoding], report) if decoding else []
+        self._retire()
+        if not self.has_work:
+            self.rows.clear()  # idle: give the memory back
+        return outputs, report
+
+    def _admit(self) -> None:
+        """Waiting requests take free slots, shortest prompt first (chunks pad less)."""
+        joining = []
+        while self.waiting and len(self.running) + len(joining) < self.max_batch:
+            joining.append(self.waiting.popleft())
+        for seq in sorted(joining, key=lambda s: s.n):
+            seq.slot = len(self.running)
+            self.running.append(seq)  # from here on, a failure (see reset) fails it too
+            self.rows.release(seq.slot)
+            if seq.drafter is None and self.drafter_factory is not None:
+                seq.drafter = self.drafter_factory(self.rows.handle(seq.slot))
+            if seq.drafter is not None:
+                seq.drafter.reset(seq.committed)
+                seq.policy = DraftLengthPolicy(self.draft_length, self.cost_prior)
+
+    def _prefill(self, report: StepReport) -> None:
+        """Feed prompts (all but the pending token), in slot order, up to the chunk budget."""
+        budget = self.prefill_chunk or 1 << 62
+        todo: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if not seq.decoding and budget > 0:
+                count = min(seq.n - 1 - seq.prefilled, budget)
+                todo.append((seq, count))
+                budget -= count
+        if not todo:
+            return
+        start = time.perf_counter()
+        for group in _groups(todo):
+            width = max(c for _, c in group)
+            fed = torch.zeros(len(group), width, dtype=torch.long)  # [J, T] right-padded chunks
+            for j, (seq, count) in enumerate(group):
+                fed[j, :count] = seq.tokens[seq.prefilled : seq.prefilled + count]
+            seqs = [s for s, _ in group]
+            layers = _feature_layers(seqs)
+            first = seqs[0].slot
+            out = self.rows.forward(range(first, first + len(group)), fed, [c for _, c in group],
+                                    logits=False, return_hidden=layers or False)
+            for j, (seq, count) in enumerate(group):
+                self.rows.keep(seq.slot, seq.prefilled + count, [])
+                _features(out, seq, j, slice(0, count))
+                seq.prefilled += count
+        _sync(self.rows.device)
+        elapsed = time.perf_counter() - start
+        for seq, _ in todo:
+            seq.stats.prefill_time_s += elapsed
+        report.prefill_rows = len(todo)
+        report.prefill_tokens = sum(c for _, c in todo)
+        report.prefill_s = elapsed
+
+    def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
+        """The row's draft for this step, and whether its drafter was asked."""
+        if seq.policy is None:
+            return Draft.empty(), False
+        cfg = self.draft_length
+        if seq.fixed_draft:
+            k_max = cfg.draft_max  # never from timing: a seed gives the same tokens every time
+        else:
+            k_max = seq.policy.next_k(getattr(seq.drafter, "probing", False))
+        k_max = min(k_max, seq.budget - 1)
+        if k_max <= 0:
+            return Draft.empty(), False
+        draft = seq.drafter.propose(DraftContext(seq.committed, k_max, seq.params, seq.generator))
+        if draft.depth > k_max:
+            raise RuntimeError(f"{type(seq.drafter).__name__} proposed a draft of depth "
+                               f"{draft.depth}, more than the {k_max} it was asked for")
+        # Dropping a short draft is only lossless when the draft is a function of the context
+        # (greedy or prompt lookup). A sampled draft's length depends on its own draws, so
+        # dropping it would skew the accepted tokens: verify it anyway.
+        if draft.depth < cfg.draft_min and draft.q_draft is None:
+            draft = Draft.empty()
+        return draft, True
+
+    def _cap(self, batch: list[Sequence], drafts: list[Draft], report: StepReport) -> list[Draft]:
+        """With several rows, cap deterministic chains by the batch's measured step cost.
+        Cutting a deterministic chain is lossless; sampled drafts, trees and seeded rows keep
+        theirs whole (their random draws must not depend on the batch)."""
+        fixed = [s.fixed_draft or d.q_draft is not None or d.tree is not None for s, d in zip(batch, drafts)]
+        alphas = [s.policy.alpha if s.policy is not None else s.alpha for s in batch]
+        cap = self.batch_policy.choose([d.depth for d in drafts], alphas, fixed)
+        return [d if f or d.num_tokens <= cap else Draft(d.tokens[:cap]) for d, f in zip(drafts, fixed)]
+
+    def _decode(self, batch: list[Sequence], report: StepReport) -> list[SeqOutput]:
+        t0 = time.perf_counter()
+        proposals = [self._propose(seq) for seq in batch]
+        drafts = [d for d, _ in proposals]
+        report.longest_draft = max(d.depth for d in drafts)
+        if len(batch) > 1 and self.batch_policy is not None and report.longest_draft:
+            drafts = self._cap(batch, drafts, report)
+        _sync(self.rows.device)
+        t1 = time.perf_counter()
+        # -- verify ------------------------------------------------------------------------
+        ks = [d.num_tokens for d in drafts]
+        width = 1 + max(ks)
+        fed = torch.zeros(len(batch), width, dtype=torch.long)  # [B, T]: pending, draft, padding
+        for b, (seq, draft) in enumerate(zip(batch, drafts)):
+            if seq.prefilled != self.rows.length(seq.slot) or seq.prefilled != seq.n - 1:
+                raise RuntimeError("a cache row is out of step with its sequence")
+            fed[b, 0] = seq.tokens[seq.n - 1]
+            fed[b, 1 : 1 + ks[b]] = draft.tokens.cpu()
+        trees = [d.tree for d in drafts] if any(d.tree is not None for d in drafts) else None
+        layers = _feature_layers(batch)
+        out = self.rows.forward(range(len(batch)), fed, [k + 1 for k in ks], trees=trees,
+                                return_hidden=layers or False)
+        rows, topks = [], []
+        for b, (seq, draft) in enumerate(zip(batch, drafts)):
+            logits = out.logits[b, : ks[b] + 1]  # [k + 1, V]
+            verdict = verify(logits, draft.to(logits.device), seq.params, seq.generator)
+            feedback = min(wanted_target_topk(seq.drafter), self.rows.vocab_size)
+            # queued before the sync, so a drafter's feedback costs no extra sync: [k + 1, t]
+            topks.append(logits.topk(feedback, dim=-1).indices if feedback else None)
+            pad = width - 1 - ks[b]
+            tokens, path = verdict.tokens, verdict.path
+            if pad:
+                tokens, path = F.pad(tokens, (0, pad)), F.pad(path, (0, pad))
+            rows.append(torch.cat([verdict.num_accepted.view(1), tokens, path]))  # [2T]
+        result = (rows[0].view(1, -1) if len(rows) == 1 else torch.stack(rows)).tolist()  # [B, 2T]: one sync
+        outputs = []
+        for b, (seq, draft) in enumerate(zip(batch, drafts)):
+            num_accepted = result[b][0]
+            emitted = result[b][1 : num_accepted + 2]
+            path = result[b][1 + width : 1 + width + num_accepted]  # accepted node indices, in order
+            self.rows.keep(seq.slot, seq.n, path)  # keeps [0, n) and the accepted nodes' entries
+            seq.prefilled = seq.n + num_accepted
+            _features(out, seq, b, [0] + [i + 1 for i in path])
+            if proposals[b][1]:
+                seq.drafter.on_verified(num_accepted, emitted)
+            if topks[b] is not None:
+                seq.drafter.on_target_topk(fed[b, : ks[b] + 1], topks[b])
+            outputs.append((seq, draft, num_accepted, emitted))
+        t2 = time.perf_counter()
+        elapsed = t2 - t1
+        if self.batch_policy is not None:
+            self.batch_policy.update(len(batch), width, elapsed)
+        report.batch_size, report.fed_per_row, report.decode_s = len(batch), width, elapsed
+        report.draft_s, report.draft_cap = t1 - t0, width - 1
+        report.judged_per_position = [0] * (width - 1)
+        report.accepted_per_position = [0] * (width - 1)
+        return [self._commit(seq, draft, a, emitted, report) for seq, draft, a, emitted in outputs]
+
+    def _commit(self, seq: Sequence, draft: Draft, accepted: int, emitted: list[int],
+                report: StepReport) -> SeqOutput:
+        drafted = draft.num_tokens
+        stats = seq.stats
+        stats.draft_time_s += report.draft_s
+        stats.target_time_s += report.decode_s
+        stats.record_round(drafted, accepted, draft.depth)
+        if seq.policy is not None:
+            seq.policy.update(draft.depth, accepted, report.draft_s, report.decode_s)  # K is a depth
+        seq.alpha = update_acceptance(seq.alpha, drafted, accepted, 0.2)
+        for i in range(min(draft.depth, accepted + 1)):
+            report.judged_per_position[i] += 1
+        for i in range(accepted):
+            report.accepted_per_position[i] += 1
+        report.drafted += drafted
+        report.accepted += accepted
+        seq.tokens[seq.n : seq.n + len(emitted)] = torch.tensor(emitted)
+        seq.n += len(emitted)
+        finish = None
+        if not seq.params.ignore_eos:
+            for i, tok in enumerate(emitted):
+                if tok in self.rows.eos_token_ids:
+                    emitted, finish = emitted[: i + 1], "stop"
+                    break
+        seq.generated += len(emitted)
+        report.committed += len(emitted)
+        stats.generated_tokens = seq.generated
+        if finish is None and seq.budget <= 0:
+            finish = "length"
+        seq.finish_reason = finish
+        if finish is not None:
+            seq.close()
+        return SeqOutput(seq.request_id, Step(emitted, finish), stats)
+
+    # -- slots -----------------------------------------------------------------------------
+    def _retire(self) -> None:
+        """Free the slots of rows that ended, then re-arrange the rest."""
+        ended = [s for s in self.running if s.finish_reason is not None or s.aborted]
+        if not ended:
+            return
+        for seq in ended:
+            seq.close()
+            self.rows.release(seq.slot)
+        self.running = [s for s in self.running if s.finish_reason is None and not s.aborted]
+        self._arrange()
+
+    def _arrange(self) -> None:
+        """Decoding rows in slots 0 .. D-1, then prefilling rows in their order, moving as few
+        rows as possible (a decoding row already below D stays; others fill the holes)."""
+        slots = {s.slot: s for s in self.running}
+        decoding = [s for s in self.running if s.decoding]
+        num_dec = len(decoding)
+        staying = {s.slot for s in decoding if s.slot < num_dec}
+        holes = iter(sorted(set(range(num_dec)) - staying))
+        target = {id(s): (s.slot if s.slot in staying else next(holes)) for s in decoding}
+        prefilling = sorted((s for s in self.running if not s.decoding), key=lambda s: s.slot)
+        target.update({id(s): num_dec + i for i, s in enumerate(prefilling)})
+        order = sorted(self.running, key=lambda s: target[id(s)])
+        for want, seq in enumerate(order):
+            if seq.slot == want:
+                continue
+            other = slots.get(want)
+            if other is not None and other is not seq:
+                self.rows.swap(seq.slot, want)
+                other.slot, slots[seq.slot] = seq.slot, other
+            else:
+                self.rows.move(seq.slot, want)
+                del slots[seq.slot]
+            seq.slot, slots[want] = want, seq
+        self.running = order
+
+
+def _groups(todo: list[tuple[Sequence, int]], waste: float = 0.25, slack: int = 64):
+    """Split consecutive prefill chunks into groups that share one padded forward: a group
+    grows while its padding stays under ``waste`` of its tokens (or it is at most ``slack``
+    tokens wide), so short prompts batch together and a long one does not pad the rest."""
+    group: list[tuple[Sequence, int]] = []
+    for item in todo:
+        trial = group + [item]
+        real = sum(c for _, c in trial)
+        padded = len(trial) * max(c for _, c in trial)
+        if group and padded > slack and padded - real > waste * real:
+            yield group
+            trial = [item]
+        group = trial
+    if group:
+        yield group
 
 
 def generate_tokens(
@@ -66,101 +449,16 @@ def generate_tokens(
     generator: torch.Generator | None = None,
     cost_model: CostModel | None = None,
 ) -> Iterator[Step]:
-    """Generate from ``prompt_ids`` ([n] int64), yielding each round's committed tokens.
-
-    ``stats`` (if given) is filled in as the generation runs, and is complete once the generator
-    is exhausted or closed. ``cost_model``: the target's measured verify cost, the adaptive
-    draft length's starting point (speclm.cost_model).
-    """
-    stats = stats if stats is not None else RequestStats()
-    config = draft_length or DraftLengthConfig()
-    policy = DraftLengthPolicy(config, cost_model) if drafter is not None else None
-    feature_layers = getattr(drafter, "feature_layers", None) if drafter is not None else None
-    feedback_k = min(wanted_target_topk(drafter), target.vocab_size)  # 0 unless the drafter asks
-    gen = generator if generator is not None else params.make_generator(target.device)
-    prompt_ids = prompt_ids.detach().to("cpu", torch.long).flatten()
-    n = prompt_ids.shape[0]
-    if n == 0:
-        raise SpeclmError("the prompt is empty")
-    if n >= target.max_context:
-        raise SpeclmError(f"the prompt has {n} tokens but the model's context is {target.max_context}")
-
-    start = time.perf_counter()
-    stats.prompt_tokens = n
-    tokens = torch.empty(min(target.max_context, n + params.max_tokens), dtype=torch.long)
-    tokens[:n] = prompt_ids
+    """Generate from ``prompt_ids`` ([n] int64) as a batch of one, yielding each round's
+    committed tokens. ``stats`` (if given) is filled in as the generation runs, and is complete
+    once the generator is exhausted or closed. ``cost_model``: the target's measured verify
+    cost, the adaptive draft length's starting point (speclm.cost_model)."""
+    engine = Engine(SlotRows(target, 1), draft_length=draft_length, cost_prior=cost_model)
+    engine.add("request", prompt_ids, params, drafter=drafter, generator=generator, stats=stats)
     try:
-        target.reset()
-        if drafter is not None:
-            drafter.reset(prompt_ids)
-        if n > 1:  # prefill all but the pending token
-            out = target.forward(tokens[: n - 1], 0, return_hidden=feature_layers or False)
-            if feature_layers:
-                drafter.on_target_features(_features(out, feature_layers, None))
-            _sync(target.device)
-        stats.prefill_time_s = time.perf_counter() - start
-        generated = 0
-        while True:
-            # -- draft ---------------------------------------------------------------------
-            t0 = time.perf_counter()
-            budget = min(params.max_tokens - generated, target.max_context - n) - 1
-            k_max = min(policy.next_k(getattr(drafter, "probing", False)), budget) if policy is not None else 0
-            draft, proposed = Draft.empty(), k_max > 0
-            if proposed:
-                draft = drafter.propose(DraftContext(tokens[:n], k_max, params, gen))
-                if draft.depth > k_max:
-                    raise RuntimeError(f"{type(drafter).__name__} proposed a draft of depth "
-                                       f"{draft.depth}, more than the {k_max} it was asked for")
-                # Dropping a short draft is only lossless when the draft is a function of the
-                # context (greedy or prompt lookup). A sampled draft's length depends on its own
-                # draws, so dropping it would skew the accepted tokens: verify it anyway.
-                if draft.depth < config.draft_min and draft.q_draft is None:
-                    draft = Draft.empty()
-                _sync(target.device)
-            k = draft.num_tokens
-            t1 = time.perf_counter()
-            # -- verify --------------------------------------------------------------------
-            fed = torch.cat([tokens[n - 1 : n], draft.tokens.cpu()])  # [k + 1]
-            out = target.forward(fed, n - 1, num_logits=k + 1, tree=draft.tree,
-                                 return_hidden=feature_layers or False)
-            verdict = verify(out.logits, draft.to(out.logits.device), params, gen)  # logits [k + 1, V]
-            # queued before the sync, so a drafter's feedback costs no extra sync: [k + 1, t]
-            target_topk = out.logits.topk(feedback_k, dim=-1).indices if feedback_k else None
-            result = torch.cat([verdict.num_accepted.view(1), verdict.tokens, verdict.path]).tolist()  # sync
-            num_accepted, emitted = result[0], result[1 : result[0] + 2]
-            path = result[k + 2 : k + 2 + num_accepted]  # accepted node indices, in order
-            target.compact(n, path)  # keeps [0, n) and the accepted nodes' entries
-            if feature_layers:  # every round: rows of the pending token and the accepted nodes
-                drafter.on_target_features(_features(out, feature_layers, [0] + [i + 1 for i in path]))
-            if proposed:
-                drafter.on_verified(num_accepted, emitted)
-            if target_topk is not None:
-                drafter.on_target_topk(fed, target_topk)
-            t2 = time.perf_counter()
-            stats.draft_time_s += t1 - t0
-            stats.target_time_s += t2 - t1
-            stats.record_round(k, num_accepted, draft.depth)
-            if policy is not None:
-                policy.update(draft.depth, num_accepted, t1 - t0, t2 - t1)  # K is a depth (trees)
-            # -- commit --------------------------------------------------------------------
-            tokens[n : n + len(emitted)] = torch.tensor(emitted)
-            n += len(emitted)
-            finish = None
-            if not params.ignore_eos:
-                for i, tok in enumerate(emitted):
-                    if tok in target.eos_token_ids:
-                        emitted, finish = emitted[: i + 1], "stop"
-                        break
-            generated += len(emitted)
-            stats.generated_tokens = generated
-            if finish is None and (generated >= params.max_tokens or n >= tokens.shape[0]):
-                finish = "length"
-            yield Step(emitted, finish)
-            if finish is not None:
-                return
+        while engine.has_work:
+            outputs, _ = engine.step()
+            for out in outputs:
+                yield out.step
     finally:
-        close = getattr(drafter, "finish", None)
-        if callable(close):  # a drafter's worker threads never outlive the request
-            close()
-        stats.total_time_s = time.perf_counter() - start
-        stats.drafter_report = drafter_report(drafter)
+        engine.close()

@@ -23,11 +23,31 @@ def load_learned_drafter(folder: str | Path, target: HFCausalLM, kind: str, *, t
     from ..drafters.eagle import EagleDrafter
     from ..drafters.medusa import MedusaDrafter
     from ..drafters.tree_search import TreeShape
-    from .modules import EagleHead, MedusaHeads
 
     folder = Path(folder).expanduser()
     if not folder.is_dir():
         raise SpeclmError(f"drafter folder {str(folder)!r} does not exist")
+    config, module = _load_module(folder.resolve(), kind, target)
+    if config.kind == "medusa":
+        paths = config.training.get("tree") or [[0] * d for d in range(1, config.num_heads + 1)]
+        return MedusaDrafter(module, paths)
+    shape = TreeShape(top_k=top_k, budget=budget) if tree else None
+    return EagleDrafter(module, target.model.get_input_embeddings(), config.feature_layers,
+                        target.vocab_size, shape)
+
+
+_MODULES: dict[tuple, tuple] = {}  # (folder, its files' time, kind, target weights, dtype, device)
+
+
+def _load_module(folder: Path, kind: str, target: HFCausalLM):
+    """The trained module of ``folder`` on ``target``'s device, loaded once per target weights:
+    the drafters of a batch's rows share it (each keeps its own drafting state)."""
+    from .modules import EagleHead, MedusaHeads
+
+    written = max((f.stat().st_mtime_ns for f in folder.iterdir()), default=0)  # retrained: reload
+    key = (str(folder), written, kind, id(target.model), target.dtype, str(target.device))
+    if key in _MODULES and _MODULES[key][2] is target.model:
+        return _MODULES[key][:2]
     config = DrafterConfig.load(folder)
     if config.kind != kind:
         raise SpeclmError(f"{str(folder)!r} holds a {config.kind} drafter, not {kind}")
@@ -39,10 +59,9 @@ def load_learned_drafter(folder: str | Path, target: HFCausalLM, kind: str, *, t
         load_weights(module, folder)
         if not config.draft_vocab_size:
             module.share_head(target.model.get_output_embeddings())
-        paths = config.training.get("tree") or [[0] * d for d in range(1, config.num_heads + 1)]
-        return MedusaDrafter(module.to(target.device, dtype), paths)
-    module = EagleHead(target.model.config, len(config.feature_layers), config.draft_vocab_size)
-    load_weights(module, folder)
-    shape = TreeShape(top_k=top_k, budget=budget) if tree else None
-    return EagleDrafter(module.to(target.device, dtype), target.model.get_input_embeddings(),
-                        config.feature_layers, target.vocab_size, shape)
+    else:
+        module = EagleHead(target.model.config, len(config.feature_layers), config.draft_vocab_size)
+        load_weights(module, folder)
+    module = module.to(target.device, dtype)
+    _MODULES[key] = (config, module, target.model)
+    return config, module

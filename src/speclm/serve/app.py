@@ -237,6 +237,7 @@ class _Timing:
             self.metrics.latency.observe(time.perf_counter() - self.arrival)
             self.metrics.prompt_tokens.inc(self.prompt_tokens)
             self.metrics.generation_tokens.inc(event.stats.generated_tokens)
+            self.metrics.record_request(event.stats)
 
 
 async def _events(state: ServerState, request: Request, handle) -> AsyncIterator[Event]:

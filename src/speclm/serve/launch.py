@@ -138,8 +138,10 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def build_app(opts: ServeOptions):
     """Load the model and build the FastAPI app (the worker starts with the app's lifespan)."""
     from ..api import LLM
-    from ..batch import BatchDraftConfig, BatchEngine
+    from ..draft_length import DraftLengthConfig
     from ..drafters import NgramDrafter
+    from ..engine import Engine
+    from ..models.rows import make_rows
     from .app import ServerConfig, ServerState, create_app
     from .metrics import ServerMetrics
     from .worker import EngineWorker
@@ -149,13 +151,13 @@ def build_app(opts: ServeOptions):
               backend="torch")
     factory, name = None, "none"
     if opts.speculative:  # one drafter per request: each keeps its own state
-        factory = functools.partial(NgramDrafter, opts.ngram_min, opts.ngram_max)
+        factory = lambda handle: NgramDrafter(opts.ngram_min, opts.ngram_max)  # noqa: E731
         name = f"ngram[{opts.ngram_min}..{opts.ngram_max}]"
     # the adaptive draft cap starts from the target's measured verify cost (cached per model)
     prior = llm.cost_model(1 + opts.draft_max) if factory is not None and opts.adaptive else None
-    engine = BatchEngine(llm.target, max_batch=opts.max_batch, drafter_factory=factory,
-                         draft_config=BatchDraftConfig(opts.draft_max, opts.adaptive),
-                         drafter_name=name, cost_prior=prior)
+    engine = Engine(make_rows(llm.target, opts.max_batch), drafter_factory=factory,
+                    draft_length=DraftLengthConfig(opts.draft_max, 0, opts.adaptive),
+                    drafter_name=name, cost_prior=prior)
     metrics = ServerMetrics()
     worker = EngineWorker(engine, llm.tokenizer, metrics, max_queue=opts.max_queue)
     config = ServerConfig(opts.model_name(), opts.api_key, opts.max_body_bytes, opts.shutdown_grace_s,

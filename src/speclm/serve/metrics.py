@@ -11,7 +11,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..batch.engine import StepReport
+from ..engine import StepReport
 
 _LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32)
@@ -64,6 +64,18 @@ class ServerMetrics:
                                    "this draft position", ["position"], registry=r)
         self.acceptance_at = Gauge("speclm_spec_acceptance_by_position", "P(accepted | judged) "
                                    "per draft position since start", ["position"], registry=r)
+        # per drafter (auto: the candidate it chose for the request), from finished requests
+        by = ["drafter"]
+        self.drafter_requests = Counter("speclm_drafter_requests", "Finished requests by the "
+                                        "drafter that ran them", by, registry=r)
+        self.drafter_drafted = Counter("speclm_drafter_drafted_tokens", "Draft tokens verified, "
+                                       "by drafter", by, registry=r)
+        self.drafter_accepted = Counter("speclm_drafter_accepted_tokens", "Draft tokens accepted, "
+                                        "by drafter", by, registry=r)
+        self.drafter_tokens = Counter("speclm_drafter_generation_tokens", "Tokens generated, by "
+                                      "drafter", by, registry=r)
+        self.drafter_forwards = Counter("speclm_drafter_target_forwards", "Row forwards (tau = "
+                                        "generation tokens / forwards), by drafter", by, registry=r)
         self._totals = [0, 0, 0, 0]  # drafted, accepted, committed, row forwards
         self._positions: list[list[int]] = []  # [judged, accepted] per position
 
@@ -107,5 +119,20 @@ class ServerMetrics:
                 self.accepted_at.labels(label).inc(accepted)
                 self.acceptance_at.labels(label).set(pos[1] / pos[0])
 
+    def record_request(self, stats) -> None:
+        """Called once per finished request with its stats: the per-drafter counters."""
+        label = drafter_label(stats)
+        self.drafter_requests.labels(label).inc()
+        self.drafter_drafted.labels(label).inc(stats.drafted_tokens)
+        self.drafter_accepted.labels(label).inc(stats.accepted_tokens)
+        self.drafter_tokens.labels(label).inc(stats.generated_tokens)
+        self.drafter_forwards.labels(label).inc(stats.target_forwards)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def drafter_label(stats) -> str:
+    """The drafter that ran a request: ``auto``'s choice when it made one, else its name."""
+    choice = (stats.drafter_report or {}).get("choice")
+    return f"{stats.drafter}:{choice}" if choice else stats.drafter

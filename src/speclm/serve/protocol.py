@@ -254,7 +254,9 @@ def usage(stats: RequestStats) -> dict:
 
 def speculation(stats: RequestStats) -> dict:
     """The per-response extension field: what speculation did for this request."""
-    return {"drafter": stats.drafter, "drafted_tokens": stats.drafted_tokens,
+    choice = (stats.drafter_report or {}).get("choice")
+    return {"drafter": stats.drafter, **({"drafter_choice": choice} if choice else {}),
+            "backend": stats.backend, "drafted_tokens": stats.drafted_tokens,
             "accepted_tokens": stats.accepted_tokens, "target_forwards": stats.target_forwards,
             "alpha": round(stats.alpha, 4), "tau": round(stats.tau, 4),
             "acceptance_by_position": [round(r, 4) for r in stats.acceptance_by_position]}

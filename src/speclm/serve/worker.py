@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..batch.engine import BatchEngine
+from ..engine import Engine
 from ..detokenize import IncrementalDetokenizer
 from ..errors import SpeclmError
 from ..sampling import SamplingParams
@@ -51,9 +51,9 @@ class RequestHandle:
 
 
 class EngineWorker:
-    """Owns a :class:`BatchEngine` and the thread that steps it."""
+    """Owns an :class:`~speclm.engine.Engine` and the thread that steps it."""
 
-    def __init__(self, engine: BatchEngine, tokenizer, metrics: ServerMetrics, *, max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, tokenizer, metrics: ServerMetrics, *, max_queue: int = 64) -> None:
         if max_queue < 0:
             raise SpeclmError(f"max queue must be >= 0, got {max_queue}")
         self.engine = engine
@@ -153,7 +153,7 @@ class EngineWorker:
                 for seq in engine.reset():
                     self._fail(seq.request_id, _internal_error())
                 continue
-            self.metrics.record_step(report, engine.policy is not None)
+            self.metrics.record_step(report, engine.speculative)
             self._update_gauges()
             for out in outputs:
                 try:

@@ -1,0 +1,169 @@
+"""The one engine with several rows: every drafter, on both row kinds, stays lossless.
+
+- greedy: each row of a batch equals its solo plain greedy output, for every drafter (chains,
+  trees, sampled drafts, self-drafting on the row's own cache, learners), with requests joining
+  mid-way, on the batched eager-torch rows and on one-handle-per-slot rows;
+- mixed batches: greedy rows next to seeded sampled rows; a seeded row draws what it draws alone;
+- sampling: rows drafted by a draft model (sampled q) in a batch follow the target's exact
+  sequence distribution (chi-square);
+- chunked prefill: a long prompt joins in chunks while a running row keeps getting tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from speclm.draft_length import DraftLengthConfig
+from speclm.drafters import DraftModelDrafter, NgramDrafter
+from speclm.drafters.recycle import RecycleDrafter
+from speclm.drafters.suffix import SuffixDrafter
+from speclm.drafters.auto import AutoDrafter, NoDrafter
+from speclm.drafters.layer_skip import LayerSkipDrafter
+from speclm.drafters.tree_search import TreeShape
+from speclm.engine import Engine
+from speclm.models.rows import RaggedRows, SlotRows, make_rows
+from speclm.sampling import SamplingParams
+
+from .conftest import backend, noisy_copy, tiny_model
+from .test_batch import drive
+from .test_lossless import assert_matches_distribution, prompts, run, sampling_setup
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(VOCAB, seed=10, seed_layers=4)
+
+
+def row_drafters(target_model):
+    """Per-row drafter factories: ``factory(handle)`` gets the row's own target handle."""
+    draft_lm = backend(noisy_copy(target_model, 0.08, seed=3))
+    return {
+        "ngram": lambda h: NgramDrafter(1, 3),
+        "suffix": lambda h: SuffixDrafter(capacity=256),
+        "recycle": lambda h: RecycleDrafter(VOCAB, 4),
+        "draft-model": lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB),
+        "draft-model-p_min": lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB, p_min=0.05),
+        "draft-model-tree": lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB, tree=TreeShape(top_k=3, budget=10)),
+        "layerskip": lambda h: LayerSkipDrafter(h, [1, 2]),
+        "early-exit": lambda h: LayerSkipDrafter.early_exit(h, 2),
+        "auto": lambda h: AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 3), 6),
+                                       "layerskip": (LayerSkipDrafter(h, [2]), 3)},
+                                      probe_rounds=2, reprobe_every=12),
+    }
+
+
+NEEDS_SLOTS = {"layerskip", "early-exit", "auto"}  # they run the target's layers on the row's cache
+TREES = {"draft-model-tree"}
+
+
+def rows_for(lm, kind: str, max_batch: int, name: str):
+    rows = make_rows(lm, max_batch, needs_layers=name in NEEDS_SLOTS or kind == "slots")
+    assert isinstance(rows, SlotRows if kind == "slots" or name in NEEDS_SLOTS else RaggedRows)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def workload(target):
+    lm = backend(target)
+    reqs = prompts(9, seed=5)
+    lengths = [12 + 5 * (i % 4) for i in range(len(reqs))]
+    solo = [run(lm, p, SamplingParams(max_tokens=m, ignore_eos=True))[0] for p, m in zip(reqs, lengths)]
+    return reqs, lengths, solo
+
+
+@pytest.mark.parametrize("kind", ["ragged", "slots"])
+@pytest.mark.parametrize("name", list(row_drafters(tiny_model(VOCAB, seed=10, seed_layers=4))))
+def test_every_drafter_in_a_batch_equals_solo_greedy(target, workload, kind, name):
+    if kind == "ragged" and name in NEEDS_SLOTS:
+        pytest.skip("runs the target's own layers: one handle per row")
+    reqs, lengths, solo = workload
+    factory = row_drafters(target)[name]
+    lm = backend(target)
+    engine = Engine(rows_for(lm, kind, 4, name), drafter_factory=factory,
+                    draft_length=DraftLengthConfig(4, 0, adaptive=False))
+    arrivals = {0: [], 2: []}
+    for i, (p, m) in enumerate(zip(reqs, lengths)):  # more than 4 at once: some queue
+        arrivals[(0, 2)[i % 2]].append((str(i), p, SamplingParams(max_tokens=m, ignore_eos=True)))
+    out = drive(engine, arrivals)
+    accepted = 0
+    for i in range(len(reqs)):
+        tokens, finish, stats = out[str(i)]
+        assert tokens == solo[i], f"{name} on {kind} rows: request {i} diverged from its solo output"
+        assert finish == "length"
+        accepted += stats.accepted_tokens
+    assert accepted > 0
+    assert not engine.running
+
+
+@pytest.mark.parametrize("kind", ["ragged", "slots"])
+def test_seeded_sampled_rows_next_to_greedy_rows_equal_solo(target, kind):
+    """A draft model's sampled drafts: a seeded row's tokens do not depend on its neighbours."""
+    lm = backend(target)
+    draft_lm = backend(noisy_copy(target, 0.08, seed=3))
+    reqs = prompts(6, seed=13)
+    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=50 + i, ignore_eos=True)
+              if i % 2 else SamplingParams(max_tokens=24, ignore_eos=True) for i in range(len(reqs))]
+    config = DraftLengthConfig(3, 0, adaptive=True)
+    solo = [run(lm, p, sp, DraftModelDrafter(draft_lm.fork(), VOCAB), config,
+                sp.make_generator())[0] for p, sp in zip(reqs, params)]
+    rows = make_rows(lm, 6, needs_layers=kind == "slots")
+    engine = Engine(rows, drafter_factory=lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB),
+                    draft_length=config)
+    out = drive(engine, {0: [(str(i), p, sp) for i, (p, sp) in enumerate(zip(reqs, params))]})
+    assert [out[str(i)][0] for i in range(len(reqs))] == solo
+
+
+def test_draft_model_rows_in_a_batch_match_the_target_distribution():
+    """Sampled drafts (q from the draft model) verified in batches of 24 rows, two prompts of
+    different lengths so the rows are ragged: the sequences follow the target exactly."""
+    vocab, length, n = 5, 3, 1500
+    target_model, lm, params, prompt, expected = sampling_setup(vocab, length)
+    draft_lm = backend(noisy_copy(target_model, 0.3, seed=4))
+    engine = Engine(make_rows(lm, 24), drafter_factory=lambda h: DraftModelDrafter(draft_lm.fork(), vocab),
+                    draft_length=DraftLengthConfig(2, 0, adaptive=False))
+    other = torch.cat([prompt, prompt])
+    out = drive(engine, {0: [(f"r{i}", prompt if i % 4 else other, replace(params, seed=i))
+                             for i in range(n * 4 // 3)]})
+    counts = torch.zeros(vocab**length, dtype=torch.float64)
+    accepted = 0
+    for i in range(n * 4 // 3):
+        tokens, _, stats = out[f"r{i}"]
+        if i % 4:
+            counts[(torch.tensor(tokens) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
+            accepted += stats.accepted_tokens
+    assert accepted > counts.sum() // 10
+    assert_matches_distribution(counts, expected)
+
+
+@pytest.mark.parametrize("kind", ["ragged", "slots"])
+def test_chunked_prefill_keeps_a_running_row_going(target, kind):
+    """A 150-token prompt joins a running request with a 16-token chunk budget: it is fed over
+    ten steps, the running row commits tokens at every one of them, and both outputs equal
+    their solo outputs."""
+    lm = backend(target)
+    gen = torch.Generator().manual_seed(1)
+    short, long = prompts(1, seed=3)[0], torch.randint(1, VOCAB, (150,), generator=gen)
+    params = [SamplingParams(max_tokens=60, ignore_eos=True), SamplingParams(max_tokens=20, ignore_eos=True)]
+    solo = [run(lm, p, sp)[0] for p, sp in zip((short, long), params)]
+    engine = Engine(make_rows(lm, 2, needs_layers=kind == "slots"), prefill_chunk=16,
+                    drafter_factory=lambda h: NgramDrafter(1, 3), draft_length=DraftLengthConfig(3))
+    engine.add("short", short, params[0])
+    outputs = {"short": [], "long": []}
+    steps = []
+    while engine.has_work:
+        if len(steps) == 2:
+            engine.add("long", long, params[1])
+        outs, report = engine.step()
+        for o in outs:
+            outputs[o.request_id] += o.step.tokens
+        steps.append((report.prefill_tokens, {o.request_id for o in outs}))
+    assert outputs["short"] == solo[0] and outputs["long"] == solo[1]
+    feeding = [(tokens, ids) for tokens, ids in steps[2:] if tokens]
+    assert len(feeding) == 10 and all(tokens <= 16 for tokens, _ in feeding)
+    assert all("short" in ids for _, ids in feeding)  # the running row never waits a whole prompt
+    assert all("long" not in ids for _, ids in feeding[:-1]) and "long" in feeding[-1][1]
