@@ -200,9 +200,8 @@ class Engine:
     def step(self) -> tuple[list[SeqOutput], StepReport]:
         report = StepReport()
         self._retire()
-        self._admit()
-        self._prefill(report)
-        self._arrange()
+        if self._admit() | self._prefill(report):
+            self._arrange()  # rows that joined, or finished their prefill
         decoding = sum(1 for s in self.running if s.decoding)
         outputs = self._decode(self.running[:decoding], report) if decoding else []
         self._retire()
@@ -210,7 +209,7 @@ class Engine:
             self.rows.clear()  # idle: give the memory back
         return outputs, report
 
-    def _admit(self) -> None:
+    def _admit(self) -> bool:
         """Waiting requests take free slots, shortest prompt first (chunks pad less)."""
         joining = []
         while self.waiting and len(self.running) + len(joining) < self.max_batch:
@@ -224,8 +223,9 @@ class Engine:
             if seq.drafter is not None:
                 seq.drafter.reset(seq.committed)
                 seq.policy = DraftLengthPolicy(self.draft_length, self.cost_prior)
+        return bool(joining)
 
-    def _prefill(self, report: StepReport) -> None:
+    def _prefill(self, report: StepReport) -> bool:
         """Feed prompts (all but the pending token), in slot order, up to the chunk budget."""
         budget = self.prefill_chunk or 1 << 62
         todo: list[tuple[Sequence, int]] = []
@@ -235,7 +235,7 @@ class Engine:
                 todo.append((seq, count))
                 budget -= count
         if not todo:
-            return
+            return False
         start = time.perf_counter()
         for group in _groups(todo):
             width = max(c for _, c in group)
@@ -258,6 +258,7 @@ class Engine:
         report.prefill_rows = len(todo)
         report.prefill_tokens = sum(c for _, c in todo)
         report.prefill_s = elapsed
+        return True
 
     def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
         """The row's draft for this step, and whether its drafter was asked."""
@@ -303,12 +304,13 @@ class Engine:
         # -- verify ------------------------------------------------------------------------
         ks = [d.num_tokens for d in drafts]
         width = 1 + max(ks)
-        fed = torch.zeros(len(batch), width, dtype=torch.long)  # [B, T]: pending, draft, padding
-        for b, (seq, draft) in enumerate(zip(batch, drafts)):
+        fed_rows = []
+        for seq, draft in zip(batch, drafts):
             if seq.prefilled != self.rows.length(seq.slot) or seq.prefilled != seq.n - 1:
                 raise RuntimeError("a cache row is out of step with its sequence")
-            fed[b, 0] = seq.tokens[seq.n - 1]
-            fed[b, 1 : 1 + ks[b]] = draft.tokens.cpu()
+            row = torch.cat([seq.tokens[seq.n - 1 : seq.n], draft.tokens.cpu()])  # [k + 1]
+            fed_rows.append(row if row.shape[0] == width else F.pad(row, (0, width - row.shape[0])))
+        fed = fed_rows[0].view(1, -1) if len(batch) == 1 else torch.stack(fed_rows)  # [B, T], right-padded
         trees = [d.tree for d in drafts] if any(d.tree is not None for d in drafts) else None
         layers = _feature_layers(batch)
         out = self.rows.forward(range(len(batch)), fed, [k + 1 for k in ks], trees=trees,
