@@ -22,7 +22,10 @@ from speclm.drafters.recycle import RecycleDrafter
 from speclm.drafters.suffix import SuffixDrafter
 from speclm.drafters.auto import AutoDrafter, NoDrafter
 from speclm.drafters.layer_skip import LayerSkipDrafter
+from speclm.drafters.eagle import EagleDrafter
+from speclm.drafters.medusa import MedusaDrafter, best_static_tree
 from speclm.drafters.tree_search import TreeShape
+from speclm.learned.modules import EagleHead, MedusaHeads
 from speclm.engine import Engine
 from speclm.models.rows import RaggedRows, SlotRows, make_rows
 from speclm.sampling import SamplingParams
@@ -40,9 +43,11 @@ def target():
 
 
 def row_drafters(target_model):
-    """Per-row drafter factories: ``factory(handle)`` gets the row's own target handle."""
+    """Per-row drafter factories: ``factory(handle)`` gets the row's own target handle. The
+    learned drafters' modules are shared by every row, as the server shares them."""
     draft_lm = backend(noisy_copy(target_model, 0.08, seed=3))
-    return {
+    learned = learned_drafters(target_model)
+    return {**learned,
         "ngram": lambda h: NgramDrafter(1, 3),
         "suffix": lambda h: SuffixDrafter(capacity=256),
         "recycle": lambda h: RecycleDrafter(VOCAB, 4),
@@ -57,8 +62,24 @@ def row_drafters(target_model):
     }
 
 
+def learned_drafters(target_model):
+    """EAGLE (chain and tree) and Medusa heads, untrained but perturbed: varied, often wrong."""
+    gen = torch.Generator().manual_seed(0)
+    eagle = EagleHead.create(target_model, [1, 2], torch.arange(VOCAB)).double()
+    heads = MedusaHeads.create(target_model, 3, torch.arange(VOCAB)).double()
+    with torch.no_grad():
+        for p in list(eagle.parameters()) + list(heads.blocks.parameters()):
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
+    paths = best_static_tree([[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]], 10)
+    embed = target_model.get_input_embeddings()
+    return {
+        "eagle-chain": lambda h: EagleDrafter(eagle, embed, [1, 2], VOCAB, None),
+        "eagle-tree": lambda h: EagleDrafter(eagle, embed, [1, 2], VOCAB, TreeShape(3, 10)),
+        "medusa": lambda h: MedusaDrafter(heads, paths),
+    }
+
+
 NEEDS_SLOTS = {"layerskip", "early-exit", "auto"}  # they run the target's layers on the row's cache
-TREES = {"draft-model-tree"}
 
 
 def rows_for(lm, kind: str, max_batch: int, name: str):

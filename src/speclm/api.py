@@ -144,17 +144,19 @@ class LLM:
         )
         self.warmup(self.speculation)
 
-    def warmup(self, speculation: Speculation | None = None, longest: int = 0) -> None:
-        """Compile the fast path's steps for ``speculation``'s widest verify now, rather than
-        in the middle of a request, for requests of up to ``longest`` positions (prompt plus
-        new tokens; 0: the smallest cache size). A no-op for the eager and llama.cpp backends."""
+    def warmup(self, speculation: Speculation | int | None = None, longest: int = 0) -> None:
+        """Compile the fast path's steps for ``speculation``'s widest verify (or a draft cap
+        K) now, rather than in the middle of a request, for requests of up to ``longest``
+        positions (prompt plus new tokens; 0: the smallest cache size). A no-op for the eager
+        and llama.cpp backends."""
         warm = getattr(self.target, "warmup", None)
         if not callable(warm):
             return
         caps = getattr(self.target, "capacities", ())
         fits = [c for c in caps if c >= longest]
         caps = [c for c in caps if not fits or c <= fits[0]] if longest else None
-        warm(speculation.draft_length.draft_max if speculation is not None else 0, capacities=caps)
+        k = speculation.draft_length.draft_max if isinstance(speculation, Speculation) else (speculation or 0)
+        warm(k, capacities=caps)
 
     def make_speculation(
         self,

@@ -73,9 +73,10 @@ class TargetRows(Protocol):
     def clear(self) -> None:
         """Empty every slot and give memory back (after a failed step, or when idle)."""
 
-    def handle(self, slot: int) -> CausalLM | None:
-        """A single-row handle on the slot, for drafters that run the target's own layers on
-        its cache (None where the backend batches rows in one cache)."""
+    def handle(self, slot: int):
+        """What the slot's drafter is built with: a single-row ``CausalLM`` on the slot's cache
+        where the backend has one (drafters may run the target's own layers on it), else a
+        :class:`TargetView` of the weights."""
 
 
 def _select_layers(return_hidden: bool | Sequence[int], num_layers: int) -> bool | list[int]:
@@ -216,8 +217,26 @@ class RaggedRows:
     def clear(self) -> None:
         self.model.cache.clear()
 
-    def handle(self, slot: int) -> CausalLM | None:
-        return None
+    def handle(self, slot: int) -> TargetView:
+        return TargetView(self.target)
+
+
+class TargetView:
+    """What a drafter may read of a target whose rows share one batched cache: its weights,
+    shapes and device, but no single-row cache to run layers on (layer skipping needs
+    :class:`SlotRows`; ``runs_on`` in drafters/registry.py tells them apart)."""
+
+    returns_hidden = True
+
+    def __init__(self, target) -> None:
+        self.model = target.model
+        self.dtype = target.dtype
+        self.device = target.device
+        self.vocab_size = target.vocab_size
+        self.max_context = target.max_context
+        self.eos_token_ids = target.eos_token_ids
+        self.num_layers = getattr(target, "num_layers", 0)
+        self.backend_name = getattr(target, "backend_name", "torch")
 
 
 def make_rows(target: CausalLM, max_batch: int, *, needs_layers: bool = False) -> TargetRows:

@@ -28,6 +28,7 @@ class ServeOptions:
     ngram_min: int = 2
     ngram_max: int = 3
     max_batch: int = 16
+    prefill_chunk: int = 512  # most prompt tokens fed per step (chunked prefill)
     max_queue: int = 64
     api_key: str | None = None
     served_model_name: str | None = None
@@ -46,6 +47,8 @@ class ServeOptions:
         NgramDrafter(self.ngram_min, self.ngram_max)
         if self.max_batch < 1:
             raise SpeclmError(f"--max-batch must be >= 1, got {self.max_batch}")
+        if self.prefill_chunk < 1:
+            raise SpeclmError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
         if self.max_queue < 0:
             raise SpeclmError(f"--max-queue must be >= 0, got {self.max_queue}")
         if self.api_key is not None and not self.api_key.strip():
@@ -88,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     v.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
     v.add_argument("--max-batch", type=int, default=16,
                    help="most requests decoded together (default: %(default)s)")
+    v.add_argument("--prefill-chunk", type=int, default=512,
+                   help="most prompt tokens fed per step: a long prompt joins in chunks between "
+                        "decode steps, so running streams wait about one chunk's forward, not "
+                        "its whole prefill (default: %(default)s)")
     v.add_argument("--max-queue", type=int, default=64,
                    help="most requests waiting for a batch row; beyond it: 429 (default: %(default)s)")
     v.add_argument("--api-key", default=os.environ.get("SPECLM_API_KEY"),
@@ -122,7 +129,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         model=args.model, gguf_file=args.gguf_file, device=args.device, dtype=args.dtype,
         speculative=not args.no_spec, draft_max=args.draft_max, adaptive=args.adaptive,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_batch=args.max_batch,
-        max_queue=args.max_queue, api_key=args.api_key, served_model_name=args.served_model_name,
+        prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, api_key=args.api_key, served_model_name=args.served_model_name,
         shutdown_grace_s=args.shutdown_timeout, host=args.host,
         allowed_hosts=args.allowed_host, cors_origins=args.cors_allow_origin,
         max_body_bytes=args.max_body_bytes,
@@ -138,32 +145,55 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def build_app(opts: ServeOptions):
     """Load the model and build the FastAPI app (the worker starts with the app's lifespan)."""
     from ..api import LLM
-    from ..draft_length import DraftLengthConfig
-    from ..drafters import NgramDrafter
+    from ..drafters.registry import KINDS, parse_drafter
     from ..engine import Engine
     from ..models.rows import make_rows
     from .app import ServerConfig, ServerState, create_app
     from .metrics import ServerMetrics
     from .worker import EngineWorker
 
-    # the batch engine steps many sequences through one transformers model: torch backend
+    spec = _drafter_text(opts) if opts.speculative else None
+    if spec is not None and getattr(opts, "async_draft", False) and opts.max_batch > 1:
+        # a worker thread drafts the next round while the target verifies: it uses cores that a
+        # batched step's forward already keeps busy, so in a batch it only adds contention
+        raise SpeclmError("--async drafts ahead for one request at a time: use it with --max-batch 1")
+    backend = getattr(opts, "backend", "auto")
+    if backend == "auto" and not getattr(opts, "compile", False) and not getattr(opts, "quantize", None):
+        backend = "torch"  # the rows of a batch share one forward on eager torch
     llm = LLM(opts.model, None, device=opts.device, dtype=opts.dtype, gguf_file=opts.gguf_file,
-              backend="torch")
-    factory, name = None, "none"
-    if opts.speculative:  # one drafter per request: each keeps its own state
-        factory = lambda handle: NgramDrafter(opts.ngram_min, opts.ngram_max)  # noqa: E731
-        name = f"ngram[{opts.ngram_min}..{opts.ngram_max}]"
+              backend=backend, compile=getattr(opts, "compile", False), quantize=getattr(opts, "quantize", None))
+    rows_drafters, needs_layers = None, False
+    if spec is not None:  # one drafter per request, sharing the loaded weights
+        rows_drafters = llm.row_drafters(
+            spec, getattr(opts, "draft_max", None), draft_min=getattr(opts, "draft_min", 0),
+            adaptive_draft=opts.adaptive, async_draft=getattr(opts, "async_draft", False),
+            async_fanout=getattr(opts, "fanout", 8), ngram_min=opts.ngram_min, ngram_max=opts.ngram_max)
+        needs_layers = KINDS[parse_drafter(spec).name].needs == "layers"  # a single-row cache per row
+    rows = make_rows(llm.target, opts.max_batch, needs_layers=needs_layers)
+    factory = draft_length = None
+    if rows_drafters is not None:
+        factory, draft_length = rows_drafters.factory, rows_drafters.draft_length
+        factory(rows.handle(0))  # build one now: errors and one-time searches before serving
+        llm.warmup(draft_length.draft_max)
     # the adaptive draft cap starts from the target's measured verify cost (cached per model)
-    prior = llm.cost_model(1 + opts.draft_max) if factory is not None and opts.adaptive else None
-    engine = Engine(make_rows(llm.target, opts.max_batch), drafter_factory=factory,
-                    draft_length=DraftLengthConfig(opts.draft_max, 0, opts.adaptive),
-                    drafter_name=name, cost_prior=prior)
+    prior = llm.cost_model(1 + draft_length.draft_max) if draft_length is not None and draft_length.adaptive else None
+    engine = Engine(rows, drafter_factory=factory, draft_length=draft_length, cost_prior=prior,
+                    prefill_chunk=opts.prefill_chunk,
+                    drafter_name=rows_drafters.name if rows_drafters is not None else "none")
     metrics = ServerMetrics()
     worker = EngineWorker(engine, llm.tokenizer, metrics, max_queue=opts.max_queue)
     config = ServerConfig(opts.model_name(), opts.api_key, opts.max_body_bytes, opts.shutdown_grace_s,
                           bind_host=opts.host, allowed_hosts=tuple(opts.allowed_hosts),
                           cors_origins=tuple(opts.cors_origins))
     return create_app(ServerState(llm, worker, metrics, config))
+
+
+def _drafter_text(opts: ServeOptions) -> str:
+    """The drafter spec the options ask for: --drafter, --draft-model or prompt lookup."""
+    drafter = getattr(opts, "drafter", None)
+    if getattr(opts, "draft_model", None):
+        return f"draft:path={opts.draft_model}"
+    return drafter or "ngram"
 
 
 def _check_installed(modules: list[str], extra: str) -> None:
