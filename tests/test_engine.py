@@ -188,3 +188,20 @@ def test_chunked_prefill_keeps_a_running_row_going(target, kind):
     assert len(feeding) == 10 and all(tokens <= 16 for tokens, _ in feeding)
     assert all("short" in ids for _, ids in feeding)  # the running row never waits a whole prompt
     assert all("long" not in ids for _, ids in feeding[:-1]) and "long" in feeding[-1][1]
+
+
+def test_one_token_prompt_joining_between_prefilling_rows(target):
+    """A row still being fed, then a one-token prompt (nothing to feed: it decodes at once) and
+    a long prompt joining together: the rows being fed are not adjacent, and each is fed in its
+    own slot; every output equals its solo output."""
+    lm = backend(target)
+    gen = torch.Generator().manual_seed(2)
+    long_a, long_b = (torch.randint(1, VOCAB, (n,), generator=gen) for n in (150, 60))
+    reqs = {"a": long_a, "one": torch.tensor([5]), "b": long_b, "short": prompts(1, seed=6)[0]}
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    solo = {k: run(lm, p, params)[0] for k, p in reqs.items()}
+    engine = Engine(make_rows(lm, 4), prefill_chunk=100, drafter_factory=lambda h: NgramDrafter(1, 3),
+                    draft_length=DraftLengthConfig(3))
+    out = drive(engine, {0: [("short", reqs["short"], params), ("a", long_a, params)],
+                         1: [("one", reqs["one"], params), ("b", long_b, params)]})
+    assert {k: v[0] for k, v in out.items()} == solo

@@ -424,15 +424,16 @@ class Engine:
 
 
 def _groups(todo: list[tuple[Sequence, int]], waste: float = 0.25, slack: int = 64):
-    """Split consecutive prefill chunks into groups that share one padded forward: a group
-    grows while its padding stays under ``waste`` of its tokens (or it is at most ``slack``
+    """Split prefill chunks (in slot order) into groups of adjacent slots that share one
+    padded forward: a group grows while its padding stays under ``waste`` of its tokens (or it is at most ``slack``
     tokens wide), so short prompts batch together and a long one does not pad the rest."""
     group: list[tuple[Sequence, int]] = []
     for item in todo:
         trial = group + [item]
         real = sum(c for _, c in trial)
         padded = len(trial) * max(c for _, c in trial)
-        if group and padded > slack and padded - real > waste * real:
+        apart = group and item[0].slot != group[-1][0].slot + 1  # a forward takes adjacent slots
+        if apart or (group and padded > slack and padded - real > waste * real):
             yield group
             trial = [item]
         group = trial
