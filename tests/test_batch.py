@@ -172,7 +172,7 @@ def test_ragged_cache_matches_recomputation(target):
     for _ in range(12):
         width = int(torch.randint(1, 6, (1,), generator=gen))
         fed = torch.randint(1, VOCAB, (3, width), generator=gen)
-        logits = model.forward(slice(0, 3), fed, width)
+        logits = model.forward(slice(0, 3), fed, width).logits
         keep = []
         for b in range(3):
             full = torch.cat([seqs[b], fed[b]])
@@ -193,7 +193,7 @@ def test_rows_move_when_requests_leave(target):
     model.forward(slice(0, 2), torch.stack([a, torch.nn.functional.pad(b, (0, 3))]), 1)
     model.set_lengths(torch.tensor([7, 4]))
     model.cache.move(1, 0)
-    logits = model.forward(slice(0, 1), torch.tensor([[30, 31]]), 2)
+    logits = model.forward(slice(0, 1), torch.tensor([[30, 31]]), 2).logits
     lm.reset()
     assert torch.allclose(logits[0], lm.forward(torch.cat([b, torch.tensor([30, 31])]), 0, 2).logits,
                           atol=1e-10, rtol=0)
@@ -290,3 +290,35 @@ def test_sliding_window_models_are_refused():
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
     with pytest.raises(SpeclmError, match="full-attention"):
         BatchModel(backend(MistralForCausalLM(config).eval()), max_batch=2)
+
+
+def test_ragged_tree_forward_and_compaction_match_one_row(target):
+    """Two rows, one a token tree and one a padded chain: each row's logits equal the one-row
+    backend's; after keeping a path of the tree, the next forward still matches."""
+    from speclm.tree import TreeMeta
+    from speclm.errors import CacheContractError
+
+    lm = backend(target)
+    model = BatchModel(backend(target), max_batch=2)
+    a, b = torch.arange(1, 9), torch.arange(30, 35)
+    model.forward(slice(0, 2), torch.stack([a[:-1], torch.nn.functional.pad(b[:-1], (0, 3))]), 1)
+    model.set_lengths(torch.tensor([7, 4]))
+    tree = TreeMeta.from_parents([-1, -1, 0, 2])  # two first tokens, a chain of two under the first
+    nodes, chain = torch.tensor([11, 12, 13, 14]), torch.tensor([b[-1], 40, 41])
+    fed = torch.stack([torch.cat([a[-1:], nodes]), torch.nn.functional.pad(chain, (0, 2))])
+    logits = model.forward(slice(0, 2), fed, 5, trees=[tree, None]).logits  # [2, 5, V]
+    lm.reset()
+    lm.forward(a[:-1], 0)
+    expected = lm.forward(torch.cat([a[-1:], nodes]), 7, num_logits=5, tree=tree).logits
+    assert torch.allclose(logits[0], expected, atol=1e-10, rtol=0)
+    lm.reset()
+    assert torch.allclose(logits[1, :3], lm.forward(torch.cat([b[:-1], chain]), 0, num_logits=3).logits,
+                          atol=1e-10, rtol=0)
+    model.cache.compact(0, 8, [0, 2])  # keep nodes 0 and 2: the path 11 -> 13
+    model.cache.lengths[1] = 6
+    with pytest.raises(CacheContractError):
+        model.cache.compact(0, 8, [1, 0])
+    after = model.forward(slice(0, 2), torch.tensor([[15], [42]]), 1).logits
+    lm.reset()
+    path = torch.cat([a, torch.tensor([11, 13, 15])])
+    assert torch.allclose(after[0, 0], lm.forward(path, 0).logits[0], atol=1e-10, rtol=0)

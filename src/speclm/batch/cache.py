@@ -95,6 +95,22 @@ class BatchKVCache(Cache):
                                      f"{int(self.lengths[slot])} positions")
         self.lengths[slot] = length
 
+    @torch.inference_mode()
+    def compact(self, slot: int, start: int, keep: list[int]) -> None:
+        """Keep the slot's first ``start`` entries, then those at ``start + keep[i]``
+        (ascending): what a verified tree leaves of the forward that wrote it."""
+        written = start + (keep[-1] + 1 if keep else 0)
+        if not 0 <= start <= written or (keep and (keep[0] < 0 or keep != sorted(set(keep)))) \
+                or written > max(int(self.lengths[slot]), self._kv_len):
+            raise CacheContractError(f"cannot keep {keep} after {start} in slot {slot}")
+        if keep:
+            src = torch.tensor(keep, dtype=torch.long) + start
+            for store in (self._keys, self._values):
+                for buf in store:
+                    if buf is not None:
+                        buf[slot, :, start : start + len(keep)] = buf[slot, :, src.to(buf.device)]
+        self.lengths[slot] = start + len(keep)
+
     # -- slots -----------------------------------------------------------------------------
     @torch.inference_mode()  # the buffers are inference tensors (made inside the forward)
     def move(self, src: int, dst: int) -> None:

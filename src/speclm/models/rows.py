@@ -184,15 +184,11 @@ class RaggedRows:
                 logits: bool = True, trees: Sequence[TreeMeta | None] | None = None,
                 return_hidden: bool | Sequence[int] = False) -> RowsOutput:
         width = token_ids.shape[1]
-        kwargs = {}
-        if trees is not None and any(t is not None for t in trees):
-            kwargs["trees"] = list(trees)
-        if return_hidden:
-            kwargs["return_hidden"] = _select_layers(return_hidden, self._num_layers)
-        out = self.model.forward(slice(rows.start, rows.stop), token_ids,
-                                 num_logits=width if logits else 1, **kwargs)
-        if isinstance(out, torch.Tensor):  # logits only
-            return RowsOutput(out if logits else None)
+        if trees is not None and not any(t is not None for t in trees):
+            trees = None
+        hidden = _select_layers(return_hidden, self._num_layers) if return_hidden else False
+        out = self.model.forward(slice(rows.start, rows.stop), token_ids, num_logits=width if logits else 1,
+                                 trees=list(trees) if trees is not None else None, return_hidden=hidden)
         return RowsOutput(out.logits if logits else None, out.hidden_states)
 
     def keep(self, slot: int, start: int, keep: list[int]) -> None:
