@@ -205,3 +205,25 @@ def test_one_token_prompt_joining_between_prefilling_rows(target):
     out = drive(engine, {0: [("short", reqs["short"], params), ("a", long_a, params)],
                          1: [("one", reqs["one"], params), ("b", long_b, params)]})
     assert {k: v[0] for k, v in out.items()} == solo
+
+
+def test_gemma3_style_sliding_window_model_in_a_batch():
+    """A tiny Gemma-3 text model (sliding-window and full layers, window 4) serves several rows
+    with prompts longer than the window (one handle per row: the ragged cache takes full
+    attention only); each row's greedy output equals its solo output."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(7)
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                              max_position_embeddings=256, initializer_range=0.3)
+    lm = backend(Gemma3ForCausalLM(config).to(torch.float64).eval())
+    reqs = [p.repeat(2) for p in prompts(4, seed=21)]
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    solo = [run(lm, p, params)[0] for p in reqs]
+    rows = make_rows(lm, 3)
+    engine = Engine(rows, drafter_factory=lambda h: NgramDrafter(1, 3), draft_length=DraftLengthConfig(3),
+                    prefill_chunk=8)
+    out = drive(engine, {0: [(str(i), p, params) for i, p in enumerate(reqs)]})
+    assert [out[str(i)][0] for i in range(len(reqs))] == solo
