@@ -533,3 +533,23 @@ def test_the_server_policy_starts_from_the_measured_cost_model(client, model_dir
     with make_client(model_dirs["target"], adaptive=False) as fixed:
         assert not worker_of(fixed).engine.batch_policy.cost.measured(1)
 
+
+
+def test_serve_takes_the_target_and_drafter_flags_of_generate(capsys):
+    from speclm.cli import build_parser, main
+    from speclm.serve.launch import options_from_args
+
+    args = build_parser().parse_args(["serve", "--drafter", "suffix:factor=2", "--backend", "llamacpp",
+                                      "--draft-max", "6", "--draft-min", "2", "--prefill-chunk", "128"])
+    opts = options_from_args(args)
+    assert (opts.drafter, opts.backend, opts.draft_max, opts.draft_min, opts.prefill_chunk) == \
+        ("suffix:factor=2", "llamacpp", 6, 2, 128)
+    opts = options_from_args(build_parser().parse_args(["serve", "--draft-model", "default", "--compile"]))
+    assert opts.draft_model == "default" and opts.compile and opts.draft_max is None
+    for argv, needle in [(["--drafter", "bogus"], "unknown drafter"),
+                         (["--drafter", "ngram:min=3,max=2"], "min <= max"),
+                         (["--draft-model", "default", "--async", "--max-batch", "4"], "--max-batch 1"),
+                         (["--prefill-chunk", "0"], "--prefill-chunk")]:
+        assert main(["serve", *argv]) != 0
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err, err

@@ -68,7 +68,7 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
     g.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     g.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, float64 or auto")
     g.add_argument("--gguf-file", help="GGUF file name inside --model when it is a folder")
-    from ..cli import add_backend_flags
+    from ..flags import add_backend_flags
 
     add_backend_flags(g)
     bench.add_argument("--baseline", metavar="METHOD",

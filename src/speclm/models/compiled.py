@@ -345,7 +345,7 @@ def make_compiled(
 
     device = next(hf_model.parameters()).device
     if isinstance(dtype, str):
-        from .loading import resolve_dtype
+        from .dtypes import resolve_dtype
 
         dtype = fast_dtype(device) if dtype == "auto" else resolve_dtype(dtype, device)
     model = hf_model

