@@ -46,12 +46,14 @@ class Fake:
 
 
 def play(auto, fakes, rounds):
-    """Drive ``auto`` as the engine would; each round commits (accepted + 1) tokens."""
-    ctx = DraftContext(torch.tensor([1, 2, 3]), 4, SamplingParams(), torch.Generator())
+    """Drive ``auto`` as the engine would; each round commits (accepted + 1) tokens, which the
+    next round's context holds."""
+    tokens = auto._context.tolist() + auto._tail if auto._context is not None else [1, 2, 3]
     for _ in range(rounds):
-        auto.propose(ctx)
+        auto.propose(DraftContext(torch.tensor(tokens), 4, SamplingParams(), torch.Generator()))
         accepted = fakes[auto._active].accepted
         auto.on_verified(accepted, [0] * (accepted + 1))
+        tokens += [0] * (accepted + 1)
 
 
 @pytest.fixture()
@@ -83,7 +85,8 @@ def test_probes_then_keeps_the_fastest_and_switches_when_it_slows(clock):
 
 def test_periodic_reprobe(clock):
     fakes = {"a": Fake(clock, 1.0, 2), "b": Fake(clock, 1.0, 1)}
-    auto = AutoDrafter({n: (d, 4) for n, d in fakes.items()}, probe_rounds=2, reprobe_every=5)
+    # re-probe every 15 committed tokens: 5 of a's rounds (3 tokens each)
+    auto = AutoDrafter({n: (d, 4) for n, d in fakes.items()}, probe_rounds=2, reprobe_every=15)
     auto.reset(torch.tensor([1]))
     play(auto, fakes, 4 + 5 + 4)
     reasons = [d["reason"] for d in auto.report()["decisions"]]
@@ -145,7 +148,8 @@ def test_bad_auto_settings(model_dirs):
 
 def test_a_clear_loser_sits_out_more_and_more_reprobes(clock):
     fakes = {"good": Fake(clock, 1.0, 2), "bad": Fake(clock, 4.0, 0)}
-    auto = AutoDrafter({n: (d, 4) for n, d in fakes.items()}, probe_rounds=2, reprobe_every=4)
+    # re-probe every 12 committed tokens: 4 of good's rounds (3 tokens each)
+    auto = AutoDrafter({n: (d, 4) for n, d in fakes.items()}, probe_rounds=2, reprobe_every=12)
     auto.reset(torch.tensor([1]))
     played = []
     for _ in range(60):
@@ -175,3 +179,33 @@ def test_the_default_drafter_decides_in_the_first_request_and_remembers(model_di
     assert "none" in auto.candidates  # plain decoding competes
     out = llm.generate("the quick brown fox", SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert "remembered for this model" in out.stats.drafter_report["summary"]
+
+
+def test_plain_decoding_as_the_choice_still_reprobes_after_enough_tokens(clock):
+    """With plain decoding chosen the engine rarely asks auto (K = 0 rounds skip the drafter),
+    so re-probes are counted in committed tokens: a request that turns repetitive is noticed."""
+    fakes = {"none": Fake(clock, 0.5, 0), "d": Fake(clock, 2.0, 0)}
+    auto = AutoDrafter({n: (d, 4) for n, d in fakes.items()}, probe_rounds=2, reprobe_every=40)
+    auto.reset(torch.tensor([1]))
+    play(auto, fakes, 4)
+    assert auto.choice == "none"
+    tokens = auto._context.tolist() + auto._tail
+    for _ in range(6):  # asked once every 8 tokens, as with plain steps between
+        tokens += [0] * 7
+        auto.propose(DraftContext(torch.tensor(tokens), 4, SamplingParams(), torch.Generator()))
+        auto.on_verified(0, [0])
+        tokens += [0]
+    assert [d["reason"] for d in auto.report()["decisions"]].count("periodic re-probe") == 1
+
+
+def test_top_k_feedback_only_while_a_learner_may_draft(clock):
+    """Token recycling learns from the target's top-k; once another candidate is the choice no
+    round computes a top-k over the vocabulary for it."""
+    fakes = {"good": Fake(clock, 1.0, 3)}
+    recycle = RecycleDrafter(vocab_size=16, topk=4)
+    auto = AutoDrafter({"good": (fakes["good"], 4), "recycle": (recycle, 2)}, probe_rounds=2)
+    auto.reset(torch.tensor([1]))
+    assert auto.wants_target_topk == 4  # probing: recycle may be measured
+    fakes["recycle"] = Fake(clock, 5.0, 0)  # what play() reads for recycle's rounds
+    play(auto, fakes, 4)
+    assert auto.choice == "good" and auto.wants_target_topk == 0

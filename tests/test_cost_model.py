@@ -139,7 +139,26 @@ def test_a_probing_drafter_decides_plain_steps_itself():
     target = FakeBackend(STEEP)
     policy = DraftLengthPolicy(DraftLengthConfig(draft_max=6, adaptive=True),
                                prior=cm.measure(target, clock=target.clock))
-    assert policy.next_k() == 0 and policy.next_k(exploring=True) == 6
+    assert policy.next_k() == 0 and policy.next_k(exploring=True) >= 1
+
+
+def test_a_probe_is_as_long_as_a_good_acceptance_would_pay_for():
+    """While plain steps win, a draft is still tried now and then (and auto measures its
+    candidates): short where each drafted token costs most of a step, long where a verify is
+    nearly free, never the whole draft_max on a backend where that would cost several steps."""
+    mid = lambda t: 0.010 * (1 + 0.6 * (t - 1))  # noqa: E731  llama.cpp on a CPU
+    probes = {}
+    for name, curve in (("steep", STEEP), ("mid", mid), ("flat", FLAT)):
+        target = FakeBackend(curve)
+        policy = DraftLengthPolicy(DraftLengthConfig(draft_max=10, adaptive=True, probe_every=4),
+                                   prior=cm.measure(target, clock=target.clock))
+        policy.alpha = 0.0 if name != "flat" else policy.alpha  # drafting cannot pay (flat: it can)
+        ks = [policy.next_k() for _ in range(8)]
+        probes[name] = (ks, policy.next_k(exploring=True))
+    for name in ("steep", "mid"):
+        ks, exploring = probes[name]
+        assert ks.count(0) == 6 and 1 <= max(ks) <= 3 and 1 <= exploring <= 3, (name, ks)
+    assert probes["flat"][1] == 10  # a free verify: the probe drafts as far as allowed
 
 
 def test_fixed_k_ignores_the_cost_model():

@@ -13,7 +13,11 @@ cached) scaled by a moving average of measured / predicted step times, so the po
 the first round whether a wide verify is nearly free (a GPU) or costs ~0.3 plain steps per token
 (llama.cpp on a CPU). Without a cost model it is learned from the rounds themselves as
 ``t_plain + K * t_token``. K == 0 (a plain step) wins when drafting cannot pay; a draft is then
-still tried every ``probe_every`` rounds so the acceptance estimate can recover. Fixed mode
+still tried every ``probe_every`` rounds so the acceptance estimate can recover. That probe is
+short: the K the cost model favours at an optimistic acceptance (``PROBE_ALPHA``), so on a
+backend where each drafted token costs ~0.6 plain steps (llama.cpp on a CPU) a probe that
+misses costs about one step, not a K = 10 verify; where a verify is nearly free it is long. The
+same K serves ``exploring`` rounds (``auto`` measuring a candidate). Fixed mode
 (``adaptive=False``, ``--no-adaptive``) drafts ``draft_max`` every round.
 
 ``draft_min`` follows llama.cpp: a draft shorter than it is not worth a verify and is dropped,
@@ -47,6 +51,9 @@ class DraftLengthConfig:
             raise SpeclmError(
                 f"draft min must be in [0, draft max={self.draft_max}], got {self.draft_min}"
             )
+
+
+PROBE_ALPHA = 0.8  # the acceptance a probe's K is sized for: a draft worth trying, not a sure one
 
 
 class DraftLengthPolicy:
@@ -85,16 +92,22 @@ class DraftLengthPolicy:
             return cfg.draft_max
         if self.prior is None and self.t_plain is None:
             return 0  # measure one plain step: the cost every draft must beat
-        best_k, best_rate = 0, 1.0 / self.verify_s(0)
-        for k in range(max(cfg.draft_min, 1), cfg.draft_max + 1):
-            rate = expected_tokens(k, self.alpha) / (self.verify_s(k) + k * (self.t_draft or 0.0))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+        best_k = self._best_k(self.alpha)
         if best_k == 0:
             self._plain_streak += 1
             if self._plain_streak >= cfg.probe_every or exploring:
                 self._plain_streak = 0
-                return cfg.draft_max
+                return max(cfg.draft_min, 1, self._best_k(max(self.alpha, PROBE_ALPHA)))
+        return best_k
+
+    def _best_k(self, alpha: float) -> int:
+        """The K in {0, draft_min..draft_max} with the most expected tokens per second."""
+        cfg = self.config
+        best_k, best_rate = 0, 1.0 / self.verify_s(0)
+        for k in range(max(cfg.draft_min, 1), cfg.draft_max + 1):
+            rate = expected_tokens(k, alpha) / (self.verify_s(k) + k * (self.t_draft or 0.0))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
         return best_k
 
     def update(self, drafted: int, accepted: int, draft_time: float, target_time: float) -> None:

@@ -13,7 +13,9 @@ Policy, per session (the choice carries over from request to request):
    is not timed (it may catch up on tokens the candidate has not seen);
 2. *exploit*: the fastest candidate drafts. Rates are pooled tokens over pooled seconds (a rate
    over many rounds; single rounds swing threefold), history fading slowly;
-3. *re-probe* every ``reprobe_every`` rounds, or at once when the current choice's rate over its
+3. *re-probe* every ``reprobe_every`` committed tokens (counted in tokens, not drafting rounds:
+   while plain decoding is the choice the drafter is rarely asked, and a workload that turned
+   repetitive must still be noticed), or at once when the current choice's rate over its
    last ~7 rounds falls below ``1 - margin`` times the best rate another candidate showed
    (acceptance changed: the conversation moved from copying to writing, say), then choose
    again. A candidate far behind the best (below 0.75x) sits out 1, 2, 4, then 8 re-probes
@@ -22,14 +24,15 @@ Policy, per session (the choice carries over from request to request):
 The choice is remembered per model (``memory``: a small JSON file under the cache directory,
 keyed like the cost model by model file, backend, dtype, threads, device and the candidates):
 the next session starts by exploiting it and probes again at the first periodic re-probe,
-after ``reprobe_every // 4`` rounds.
+after ``reprobe_every // 4`` tokens.
 
 Every decision (round, choice, reason, the rates it saw) goes into the request's
 ``RequestStats.drafter_report``, so the CLI and ``speclm bench`` show what was chosen and why.
 Candidates that learn from the session's text (they have ``observe``, e.g. suffix matching) are
 reset with every request and shown its final tokens; others are reset lazily, when first asked to
 draft in a request, so an unused draft model costs nothing. Learners of the target's top-k
-(token recycling) get that feedback every round, chosen or not.
+(token recycling) get that feedback while candidates are being probed and while one of them is
+the choice; otherwise no round pays for a top-k over the vocabulary that nobody reads.
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class AutoDrafter:
         self.probe_rounds = probe_rounds
         self.reprobe_every = reprobe_every
         self.margin = margin
-        self.wants_target_topk = max(wanted_target_topk(d) for d, _ in candidates.values())
+        self._topk_any = max(wanted_target_topk(d) for d, _ in candidates.values())
         # per candidate: its rate over every timed round (slowly fading), and a short window of
         # the chosen one's recent rounds (to notice when its acceptance changes)
         self.rates: dict[str, _Rate] = {n: _Rate(decay=0.99) for n in self.names}
@@ -114,7 +117,8 @@ class AutoDrafter:
         self.choice: str | None = None  # None until the first probe has finished
         self._queue: list[str] = list(self.names)  # candidates still to probe, in order
         self._probe_round = 0
-        self._since_choice = 0
+        self._since_choice = 0  # tokens committed since the latest decision
+        self._seen = 0  # tokens of the request counted so far
         self._round = 0  # rounds drafted in this session
         self._active: str | None = None
         self._timed = False  # whether this round counts (not when the candidate was just reset)
@@ -122,7 +126,10 @@ class AutoDrafter:
         self._drafted = 0
         self._prompt: torch.Tensor | None = None
         self._reset_done: set[str] = set()
-        self._last: list[int] = []  # the current request's tokens, for observe() at its end
+        # the current request's tokens, for observe() at its end: the latest context (a view,
+        # no copy per round) and what was emitted after it
+        self._context: torch.Tensor | None = None
+        self._tail: list[int] = []
         self._request: dict = {}
         self.memory = memory
         self.remembered = self._recall()
@@ -141,6 +148,14 @@ class AutoDrafter:
         return choice
 
     @property
+    def wants_target_topk(self) -> int:
+        """The target's top-k per position, wanted while probing (any learner may be measured
+        next) or while the choice learns from it; 0 otherwise."""
+        if self._queue or self.choice is None:
+            return self._topk_any
+        return wanted_target_topk(self.candidates[self.choice][0])
+
+    @property
     def probing(self) -> bool:
         """Measuring candidates (plain decoding among them): every round must reach them."""
         return bool(self._queue)
@@ -154,7 +169,8 @@ class AutoDrafter:
             if callable(getattr(drafter, "observe", None)):  # learners see every request
                 drafter.reset(prompt_ids)
                 self._reset_done.add(name)
-        self._last = prompt_ids.tolist()
+        self._context, self._tail = prompt_ids, []
+        self._seen = prompt_ids.shape[0]
         self._request = {"decisions": [], "rounds": dict.fromkeys(self.names, 0)}
 
     def propose(self, ctx: DraftContext) -> Draft:
@@ -165,7 +181,10 @@ class AutoDrafter:
             drafter.reset(self._prompt)  # prefill is not held against it
             self._reset_done.add(name)
         self._active = name
-        self._last = ctx.token_ids.tolist()
+        n = ctx.token_ids.shape[0]  # tokens committed in rounds auto was not asked count too
+        self._since_choice += max(0, n - self._seen)
+        self._seen = n
+        self._context, self._tail = ctx.token_ids, []
         self._t0 = time.perf_counter()
         draft = drafter.propose(DraftContext(ctx.token_ids, min(ctx.max_tokens, cap), ctx.params,
                                              ctx.generator))
@@ -176,7 +195,9 @@ class AutoDrafter:
         seconds = time.perf_counter() - self._t0
         name = self._active
         self.candidates[name][0].on_verified(num_accepted, emitted)
-        self._last += emitted
+        self._tail += emitted
+        self._seen += len(emitted)
+        self._since_choice += len(emitted)
         self._round += 1
         self._request["rounds"][name] += 1
         if self._queue:
@@ -212,7 +233,6 @@ class AutoDrafter:
         if self._timed:
             self.rates[name].add(tokens, seconds, self._drafted, accepted)
             self._recent.add(tokens, seconds, self._drafted, accepted)
-        self._since_choice += 1
         others = [self.rates[n].pooled for n in self.names if n != name]
         if self._since_choice >= self.reprobe_every:
             self._start_probe("periodic re-probe")
@@ -260,14 +280,14 @@ class AutoDrafter:
     # -- reporting --------------------------------------------------------------------------
     def _finish_request(self) -> None:
         """Show learners the previous request's final tokens (rounds they sat out included)."""
-        if not self._last:
+        if self._context is None:
             return
-        tokens = torch.tensor(self._last, dtype=torch.long)
+        tokens = torch.cat([self._context, torch.tensor(self._tail, dtype=torch.long)])
         for drafter, _ in self.candidates.values():
             observe = getattr(drafter, "observe", None)
             if callable(observe):
                 observe(tokens)
-        self._last = []
+        self._context, self._tail = None, []
 
     def report(self) -> dict:
         rates = {n: {"tok_s": round(r.pooled, 2), "alpha": round(r.accepted / r.drafted, 3) if r.drafted else None}
