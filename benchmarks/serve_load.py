@@ -8,7 +8,8 @@ client; tokens/s is all completion tokens over the phase's wall time, TTFT is me
 request at the client (request sent -> first content chunk). The server's /metrics give the
 mean draft cap per step and the share of steps the policy ran plain.
 
-    python benchmarks/serve_load.py --rounds 3 --max-tokens 48 --out results/serve_load.json
+    python benchmarks/serve_load.py --rounds 3 --max-tokens 48 [--backend llamacpp] [--drafter ngram] \
+        --out results/serve_load.json
 """
 
 from __future__ import annotations
@@ -85,6 +86,8 @@ async def run_phase(url: str, prompts: list[str], clients: int, requests: int, m
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default")
+    ap.add_argument("--backend", default="auto", help="the servers' --backend (default: %(default)s)")
+    ap.add_argument("--drafter", help="the speculative server's --drafter (default: the server's)")
     ap.add_argument("--clients", default="1,4,16", help="concurrency levels (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -97,9 +100,11 @@ def main() -> int:
     levels = [int(c) for c in args.clients.split(",")]
     prompts = [row["turns"][0] for row in spread(load_prompts(args.prompts), args.num_prompts)]
     logs = Path(tempfile.mkdtemp(prefix="serve_load-"))
-    common = ["--model", args.model, "--max-batch", str(max(levels)), "--log-level", "warning"]
+    common = ["--model", args.model, "--backend", args.backend, "--max-batch", str(max(levels)),
+              "--log-level", "warning"]
+    spec_args = common + (["--drafter", args.drafter] if args.drafter else [])
     results = []
-    with serve_process(common, logs, threads=None) as spec, \
+    with serve_process(spec_args, logs, threads=None) as spec, \
             serve_process(common + ["--no-spec"], logs, threads=None) as plain:
         servers = {"spec": spec.url, "plain": plain.url}
         for url in servers.values():  # warm-up: first-use costs out of the way

@@ -184,7 +184,7 @@ def _is_peer(setup) -> bool:
     return hasattr(setup, "run") and hasattr(setup, "spec")
 
 
-_WIDTHS = (1, 2, 4, 8, 12)  # ways to compute one position: alone, or as the last row of a verify
+_WIDTHS = tuple(range(1, 17))  # ways to compute one position: alone, or as the last row of a verify
 
 
 def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids: list[int]) -> dict:
@@ -193,7 +193,8 @@ def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids:
 
     Whether a gap is a numerical near-tie is measured, not set per backend: the position's
     logits are computed as plain decoding computes them (one row after the context) and as a
-    verify does (the last of 2, 4, 8, 12 rows fed together). Kernels that round one row and
+    verify does (the last of 2 .. 16 rows fed together: kernels are chosen by the number of
+    rows, so every verify width counts). Kernels that round one row and
     several rows differently (llama.cpp's quantized kernels, bfloat16) disagree by some amount
     here; if one of those ways prefers the other token, or the gap is within how far they
     disagree, it is a near-tie of the kernels. Otherwise the target clearly prefers plain's

@@ -335,6 +335,13 @@ class LlamaCppLM:
         self._tokens = []
         self._parked = 0
 
+    def batched_rows(self, num_slots: int):
+        """``num_slots`` rows fed together in one context (speclm.models.llamacpp_rows): the
+        engine's batched form of this backend, for chains."""
+        from .llamacpp_rows import LlamaCppRows
+
+        return LlamaCppRows(self, num_slots)
+
     def fork(self) -> LlamaCppLM:
         return LlamaCppLM(self.weights, self.eos_token_ids, max_context=self.max_context,
                           max_batch=self.max_batch)

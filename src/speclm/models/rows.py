@@ -8,6 +8,8 @@ contiguous range of them.
 
 - :class:`RaggedRows`: one transformers forward over all rows (speclm.batch.model: a ragged
   KV cache, explicit positions and a 4D mask). The batched eager-torch path.
+- ``LlamaCppRows`` (speclm.models.llamacpp_rows): llama.cpp's rows in one ``llama_decode``, a
+  sequence id per row (chains; reached through ``target.batched_rows``).
 - :class:`SlotRows`: one :class:`~speclm.models.base.CausalLM` handle per slot (the target
   itself for slot 0, ``fork()``s for the rest), run one after another. Every backend has this
   (the compiled static cache, llama.cpp), and with one slot it is exactly the single-row
@@ -235,9 +237,13 @@ class TargetView:
         self.backend_name = getattr(target, "backend_name", "torch")
 
 
-def make_rows(target: CausalLM, max_batch: int, *, needs_layers: bool = False) -> TargetRows:
-    """The rows a target decodes through: one batched forward (eager torch, more than one row,
-    a model the ragged cache supports) or one handle per slot (every other case)."""
+def make_rows(target: CausalLM, max_batch: int, *, needs_layers: bool = False,
+              needs_trees: bool = False) -> TargetRows:
+    """The rows a target decodes through: one batched forward where the backend has one for
+    more than one row (eager torch on a model the ragged cache supports; llama.cpp for chains,
+    ``target.batched_rows``), else one handle per slot (every other case, and every drafter).
+    ``needs_layers``: drafters run the target's own layers on a row's cache; ``needs_trees``:
+    drafters grow token trees."""
     from .hf import HFCausalLM
 
     if max_batch > 1 and type(target) is HFCausalLM and not needs_layers:
@@ -245,4 +251,7 @@ def make_rows(target: CausalLM, max_batch: int, *, needs_layers: bool = False) -
             return RaggedRows(target, max_batch)
         except SpeclmError:  # attention layers the ragged cache does not handle
             pass
+    batched = getattr(target, "batched_rows", None)
+    if max_batch > 1 and callable(batched) and not needs_layers and not needs_trees:
+        return batched(max_batch)
     return SlotRows(target, max_batch)
