@@ -205,9 +205,12 @@ class LLM:
         draft_length = DraftLengthConfig(k, draft_min, adaptive_draft)  # checked before building
         loaded: dict[str, object] = {}  # draft models by path, loaded once and forked per row
 
-        def load_draft(path: str, p_min: float, tree: TreeShape | None = None) -> DraftModelDrafter:
+        def load_draft(path: str, p_min: float, tree: TreeShape | None = None, *,
+                       make: Callable[[], CausalLM] | None = None) -> DraftModelDrafter:
+            """A draft-model drafter over the draft ``path`` names (loaded once; ``make``
+            builds it where it is not a model file: the quantized self-draft)."""
             if path not in loaded:
-                loaded[path] = self._load_draft_backend(path)
+                loaded[path] = make() if make is not None else self._load_draft_backend(path)
             backend = loaded[path]
             return DraftModelDrafter(backend.fork() if built else backend, self.target.vocab_size,
                                      p_min=p_min, tree=tree)

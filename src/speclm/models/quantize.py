@@ -14,6 +14,8 @@ speculative decoding on it stays lossless with respect to its own plain decoding
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -147,3 +149,21 @@ def quantize_weights(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, Int8Linear(m) if scheme == "int8" else Int4Linear(m))
     return len(linears)
+
+
+def quantized_copy(model: nn.Module, scheme: str) -> nn.Module:
+    """A weight-only ``scheme`` copy of ``model`` that shares every tensor it does not quantize.
+
+    The copy's ``nn.Linear`` layers are swapped for quantized ones built from the original
+    weights; embeddings, norms and every other parameter stay the very tensors of ``model`` (no
+    second float copy), and ``model`` itself is unchanged. PyTorch's quantized kernels take
+    float32, bfloat16 or float16 activations, so a float64 model (tests) is copied whole in
+    float32 instead.
+    """
+    if next(model.parameters()).dtype in (torch.float32, torch.bfloat16, torch.float16):
+        # the module tree is new, every parameter memoized as itself: the tensors are shared
+        clone = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+    else:
+        clone = copy.deepcopy(model).to(torch.float32)  # owns its tensors: cast freely
+    quantize_weights(clone, scheme)
+    return clone.eval()
