@@ -244,7 +244,7 @@ class LLM:
         if async_draft:
             schema = KINDS[spec.name].options
             if "async" not in schema:
-                raise SpeclmError(f"async drafting needs a draft model (draft, distilled or a model "
+                raise SpeclmError(f"async drafting needs a draft model (draft, distilled, quant or a model "
                                   f"path), not {spec.name}")
             defaults = {key: default for key, (_, default) in schema.items()}
             spec = OptionString(spec.label, spec.name,
