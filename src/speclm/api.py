@@ -83,8 +83,8 @@ class LLM:
         model: ``"default"`` (embedded SmolLM2-135M-Instruct), an HF model folder, or a GGUF file.
         speculative_model: ``None`` (plain decoding); a drafter by name with options, as in
             ``--drafter`` (``"ngram"``, ``"suffix"``, ``"recycle"``, ``"layerskip"``,
-            ``"layerskip:skip=3,5-9"``, ``"early-exit:layers=10"``, ``"distilled"``, ``"auto"``,
-            ...; see ``speclm.drafters.registry``); a draft model (folder, GGUF file or
+            ``"layerskip:skip=3,5-9"``, ``"early-exit:layers=10"``, ``"distilled"``, ``"quant:bits=4"``,
+            ``"auto"``, ...; see ``speclm.drafters.registry``); a draft model (folder, GGUF file or
             ``"default"``) sharing the target's tokenizer; or a ``Drafter`` object.
         num_speculative_tokens: K, the most tokens drafted per round (``--draft-max``); None
             takes the drafter's own default (10 for prompt lookup, 5 for a draft model, ...).
