@@ -46,10 +46,15 @@ def _backend_kind(target) -> str:
     return "compiled" if name.startswith("torch-compiled") else "torch"
 
 
-def quant_draft(target, bits: int, progress: bool = True) -> tuple[str, Callable[[], CausalLM]]:
+def quant_draft(target, bits: int, progress: bool = True, fast: bool = False) -> tuple[str, Callable[[], CausalLM]]:
     """A key naming the quantized draft of ``target`` (shared by every row of a setup) and a
-    function that builds it. Raises a one-line error where the backend cannot give ``bits``."""
+    function that builds it. Raises a one-line error where the backend cannot give ``bits``.
+    ``fast``: an eager torch target's draft runs on the compiled path instead (its own static
+    cache and compiled steps, bfloat16 where the hardware has it)."""
     kind = _backend_kind(target)
+    if fast and kind != "torch":
+        raise SpeclmError("quant: fast=1 compiles the draft of an eager torch target; this target "
+                          f"runs on {'llama.cpp' if kind == 'llamacpp' else 'the compiled path'} already")
     if kind == "llamacpp":
         if bits not in GGUF_BITS:
             raise SpeclmError(f"quant: bits={bits} is not offered on llama.cpp; use bits="
@@ -65,6 +70,8 @@ def quant_draft(target, bits: int, progress: bool = True) -> tuple[str, Callable
         raise SpeclmError(f"quant: the target is already {quantized}-quantized (--quantize); the "
                           "quantized self-draft needs a full-precision target (drop --quantize)")
     scheme = TORCH_BITS[bits]
+    if fast:
+        return f"quant:{scheme}:fast", lambda: _fast_draft(target, scheme)
     return f"quant:{scheme}", lambda: _torch_draft(target, scheme, compiled=kind == "compiled")
 
 
@@ -88,6 +95,19 @@ def _torch_draft(target, scheme: str, compiled: bool) -> CausalLM:
         return HFCausalLM(model, target.eos_token_ids)
     from ..models.compiled import CompiledCausalLM
 
-    return CompiledCausalLM(model, target.eos_token_ids, buckets=target.buckets,
-                            capacities=target.capacities, quantize=scheme,
-                            compile_backend=target.compile_backend)
+    draft = CompiledCausalLM(model, target.eos_token_ids, buckets=target.buckets,
+                             capacities=target.capacities, quantize=scheme,
+                             compile_backend=target.compile_backend)
+    draft.warmup(1)  # a chain feeds one or two tokens a call: compile those steps now
+    return draft
+
+
+def _fast_draft(target, scheme: str) -> CausalLM:
+    """An eager target's draft on the compiled path, in the fast dtype (it owns its tensors)."""
+    from ..models.compiled import CompiledCausalLM, fast_dtype
+    from ..models.quantize import quantized_copy
+
+    model = quantized_copy(target.model, scheme, dtype=fast_dtype(target.device))
+    draft = CompiledCausalLM(model, target.eos_token_ids, quantize=scheme)
+    draft.warmup(1)
+    return draft

@@ -163,7 +163,7 @@ def _check_quant(o: dict) -> None:
 def _quant(ctx: BuildContext, o: dict) -> Drafter:
     from .quant import quant_draft
 
-    key, make = quant_draft(ctx.target, o["bits"], ctx.progress)
+    key, make = quant_draft(ctx.target, o["bits"], ctx.progress, fast=bool(o["fast"]))
     return _maybe_async(ctx.load_draft(key, o["p_min"], _tree_shape(o), make=make), o)
 
 
@@ -260,8 +260,8 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
                 {"path": (str, None), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16),
                  **_ASYNC}, 5, _distilled, _check_p_min),
     DrafterKind("quant", "the target's own weights at fewer bits (int8/int4; a requantized GGUF)",
-                {"bits": (int, 4), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16),
-                 **_ASYNC}, 5, _quant, _check_quant,
+                {"bits": (int, 4), "fast": (int, 0), "p_min": (float, 0.0), "tree": (int, 0),
+                 "budget": (int, 16), **_ASYNC}, 5, _quant, _check_quant,
                 label=lambda o: f"quant[{o['bits']}-bit]"),
     DrafterKind("medusa", "Medusa heads made by `speclm train-drafter` (a static token tree)",
                 {"path": (str, REQUIRED)}, 4, _medusa, _check_learned, needs="hidden"),
