@@ -47,8 +47,8 @@ def test_copy_is_quantized_and_shares_the_rest(scheme):
     ids = prompts(1)[0]
     a = backend(model).forward(ids, 0, num_logits=ids.shape[0]).logits
     b = backend(copy).forward(ids, 0, num_logits=ids.shape[0]).logits
-    assert not torch.allclose(a, b)  # really quantized
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.5  # and still close to the target
+    err = float((a - b).norm() / a.norm())
+    assert 1e-4 < err < (0.05 if scheme == "int8" else 0.6), err  # really quantized, still close
 
 
 @pytest.mark.parametrize("bits", [8, 4])
