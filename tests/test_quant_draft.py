@@ -215,3 +215,25 @@ def test_llamacpp_requantized_draft_on_the_default_model(tmp_path, monkeypatch, 
     assert accepted > 0
     again = llm.make_speculation("quant:bits=2")  # cached: no second requantization
     assert "requantizing" not in capfd.readouterr().err and again.drafter.model.weights.path == made[0]
+
+
+def test_cli_generate_and_bench(capsys, model_dirs, tmp_path):
+    import json
+
+    from speclm.cli import main
+
+    code = main(["generate", "the quick brown fox", "--model", str(model_dirs["target"]), "--dtype", "float64",
+                 "-n", "12", "--drafter", "quant:bits=8", "--compare", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["compare"]["identical"] and result["stats"]["drafter"] == "quant[8-bit]"
+    code = main(["generate", "x", "--model", str(model_dirs["target"]), "--drafter", "quant:bits=6"])
+    err = capsys.readouterr().err
+    assert code == 2 and "bits=6 is not offered" in err and len(err.strip().splitlines()) == 1
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text('{"category": "echo", "turns": ["the quick brown fox", "again please"]}\n')
+    code = main(["bench", "--model", str(model_dirs["target"]), "--dtype", "float64", "--prompts", str(prompts_file),
+                 "--max-new-tokens", "8", "--method", "quant:bits=4,k=3", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0 and "MISMATCH" not in out and "| quant:bits=4,k=3 | all | 2 |" in out
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    assert all(r["identical"] for r in rows)
