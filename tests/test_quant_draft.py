@@ -237,3 +237,39 @@ def test_cli_generate_and_bench(capsys, model_dirs, tmp_path):
     assert code == 0 and "MISMATCH" not in out and "| quant:bits=4,k=3 | all | 2 |" in out
     rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
     assert all(r["identical"] for r in rows)
+
+
+def test_server_rows_draft_with_one_quantized_copy(model_dirs):
+    """speclm serve --drafter quant:bits=8: concurrent requests (one batched target forward on
+    eager torch), each row drafting on its own cache over the one copy, answers equal plain."""
+    import threading
+
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from speclm.serve.launch import ServeOptions, build_app
+
+    opts = ServeOptions(model=str(model_dirs["target"]), dtype="float64", max_batch=3, max_queue=3,
+                        served_model_name="tiny", draft_max=4)
+    opts.drafter = "quant:bits=8"
+    texts = ["the quick brown fox", "def add(a, b):", "the lazy dog. the lazy dog."]
+    solo = LLM(str(model_dirs["target"]), None, dtype="float64")
+    with TestClient(build_app(opts), base_url="http://localhost") as http:
+        answers: dict[int, dict] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = http.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": texts[i]}], "max_tokens": 16,
+                "temperature": 0, "ignore_eos": True}).json()
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(texts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        for i, text in enumerate(texts):
+            expected = solo.chat([{"role": "user", "content": text}], params, speculative=False).text
+            assert answers[i]["choices"][0]["message"]["content"] == expected, f"request {i}"
+            assert answers[i]["speclm"]["drafter"] == "quant[8-bit]"
+        assert sum(a["speclm"]["drafted_tokens"] for a in answers.values()) > 0
