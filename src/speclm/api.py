@@ -83,8 +83,8 @@ class LLM:
         model: ``"default"`` (embedded SmolLM2-135M-Instruct), an HF model folder, or a GGUF file.
         speculative_model: ``None`` (plain decoding); a drafter by name with options, as in
             ``--drafter`` (``"ngram"``, ``"suffix"``, ``"recycle"``, ``"layerskip"``,
-            ``"layerskip:skip=3,5-9"``, ``"early-exit:layers=10"``, ``"distilled"``, ``"auto"``,
-            ...; see ``speclm.drafters.registry``); a draft model (folder, GGUF file or
+            ``"layerskip:skip=3,5-9"``, ``"early-exit:layers=10"``, ``"distilled"``, ``"quant:bits=4"``,
+            ``"auto"``, ...; see ``speclm.drafters.registry``); a draft model (folder, GGUF file or
             ``"default"``) sharing the target's tokenizer; or a ``Drafter`` object.
         num_speculative_tokens: K, the most tokens drafted per round (``--draft-max``); None
             takes the drafter's own default (10 for prompt lookup, 5 for a draft model, ...).
@@ -205,9 +205,12 @@ class LLM:
         draft_length = DraftLengthConfig(k, draft_min, adaptive_draft)  # checked before building
         loaded: dict[str, object] = {}  # draft models by path, loaded once and forked per row
 
-        def load_draft(path: str, p_min: float, tree: TreeShape | None = None) -> DraftModelDrafter:
+        def load_draft(path: str, p_min: float, tree: TreeShape | None = None, *,
+                       make: Callable[[], CausalLM] | None = None) -> DraftModelDrafter:
+            """A draft-model drafter over the draft ``path`` names (loaded once; ``make``
+            builds it where it is not a model file: the quantized self-draft)."""
             if path not in loaded:
-                loaded[path] = self._load_draft_backend(path)
+                loaded[path] = make() if make is not None else self._load_draft_backend(path)
             backend = loaded[path]
             return DraftModelDrafter(backend.fork() if built else backend, self.target.vocab_size,
                                      p_min=p_min, tree=tree)
@@ -241,7 +244,7 @@ class LLM:
         if async_draft:
             schema = KINDS[spec.name].options
             if "async" not in schema:
-                raise SpeclmError(f"async drafting needs a draft model (draft, distilled or a model "
+                raise SpeclmError(f"async drafting needs a draft model (draft, distilled, quant or a model "
                                   f"path), not {spec.name}")
             defaults = {key: default for key, (_, default) in schema.items()}
             spec = OptionString(spec.label, spec.name,

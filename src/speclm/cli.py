@@ -28,6 +28,9 @@ _DRAFTERS_HELP = """drafters (--drafter NAME[:key=value,...]):
   early-exit[:layers=N]           the target's first N layers (default: a third)
   draft:path=DIR[,p_min=P]        a smaller model with the target's tokenizer (= --draft-model)
   distilled[:path=DIR]            the draft model `speclm distill` made for this target
+  quant[:bits=4]                  the quantized self-draft: the target's own weights at fewer bits
+                                  (torch: an int8/int4 copy, bits=8/4; llama.cpp: a requantized
+                                  copy of its GGUF, bits=2/3/4/8, made once and cached)
   auto[:candidates=a,b,...]       the default: measure candidates on the live requests, keep the
                                   fastest, remember the choice per model (default candidates:
                                   none = plain decoding, ngram, suffix, recycle, plus layerskip
@@ -50,8 +53,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                             "(HF folder, .gguf, or 'default')")
     which.add_argument("--drafter", metavar="NAME[:OPTS]",
                        help="a drafter by name: ngram, suffix, recycle, layerskip[:skip=3,5-9], "
-                            "early-exit[:layers=N], draft:path=DIR, distilled, medusa:path=DIR, "
-                            "eagle:path=DIR, auto (the default; see below)")
+                            "early-exit[:layers=N], draft:path=DIR, distilled, quant[:bits=4], "
+                            "medusa:path=DIR, eagle:path=DIR, auto (the default; see below)")
     which.add_argument("--no-spec", action="store_true", help="plain decoding, no drafter")
     d.add_argument("--draft-max", type=_positive(int), default=None,
                    help="K, most tokens drafted per round: the adaptive policy's upper bound, "
@@ -156,7 +159,7 @@ def _make_llm(args: argparse.Namespace):
         raise SpeclmError(f"--draft-p-min must be in [0, 1), got {args.draft_p_min}")
     if args.async_draft and (spec is None or (not args.draft_model and
                                               "async" not in KINDS[parse_drafter(spec).name].options)):
-        raise SpeclmError("--async needs a draft model: --draft-model PATH or --drafter draft:...|distilled")
+        raise SpeclmError("--async needs a draft model: --draft-model PATH or --drafter draft:...|distilled|quant")
     if args.fanout < 1:
         raise SpeclmError(f"--fanout must be >= 1, got {args.fanout}")
     return LLM(args.model, spec, k, draft_min=args.draft_min, draft_p_min=args.draft_p_min,

@@ -13,6 +13,9 @@ drafter is one entry here and no name is tested for anywhere else.
                                      tree (N children per expansion); async=1 drafts the next
                                      round for the likely outcomes while the target verifies
     distilled[:path=DIR,p_min=0,tree=0,budget=16]  the draft model `speclm distill` made
+    quant[:bits=4,p_min=0,tree=0,budget=16]  the quantized self-draft: the target's own weights
+                                     at fewer bits (torch: int8/int4 copy; llama.cpp: a
+                                     requantized copy of its GGUF, bits=2/3/4/8)
     medusa:path=DIR                  Medusa heads from `speclm train-drafter` (static tree)
     eagle:path=DIR[,tree=4,budget=16]  an EAGLE head from `speclm train-drafter`; dynamic tree
                                      (tree=0: a chain)
@@ -41,7 +44,8 @@ class BuildContext:
     target: CausalLM  # any backend; drafters with ``needs`` check it (runs_on)
     tokenizer: object
     model_path: Path | None  # the target's folder (per-model caches are keyed by it)
-    load_draft: Callable[..., Drafter]  # (model spec, p_min, tree shape) -> a draft-model drafter
+    load_draft: Callable[..., Drafter]  # (model spec, p_min, tree shape[, make=]) -> a draft-model
+    #                                     drafter; make() builds a draft backend other than a model file
     progress: bool = True
 
 
@@ -149,6 +153,20 @@ def _distilled(ctx: BuildContext, o: dict) -> Drafter:
     return _maybe_async(ctx.load_draft(str(path), o["p_min"], _tree_shape(o)), o)
 
 
+def _check_quant(o: dict) -> None:
+    from .quant import check_bits
+
+    check_bits(o["bits"])
+    _check_p_min(o)
+
+
+def _quant(ctx: BuildContext, o: dict) -> Drafter:
+    from .quant import quant_draft
+
+    key, make = quant_draft(ctx.target, o["bits"], ctx.progress, fast=bool(o["fast"]))
+    return _maybe_async(ctx.load_draft(key, o["p_min"], _tree_shape(o), make=make), o)
+
+
 def _check_learned(o: dict) -> None:
     if not Path(o["path"]).expanduser().is_dir():
         raise SpeclmError(f"drafter folder {o['path']!r} does not exist (make one with speclm train-drafter)")
@@ -241,6 +259,10 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
     DrafterKind("distilled", "the draft model `speclm distill` made for this target",
                 {"path": (str, None), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16),
                  **_ASYNC}, 5, _distilled, _check_p_min),
+    DrafterKind("quant", "the target's own weights at fewer bits (int8/int4; a requantized GGUF)",
+                {"bits": (int, 4), "fast": (int, 0), "p_min": (float, 0.0), "tree": (int, 0),
+                 "budget": (int, 16), **_ASYNC}, 5, _quant, _check_quant,
+                label=lambda o: f"quant[{o['bits']}-bit]"),
     DrafterKind("medusa", "Medusa heads made by `speclm train-drafter` (a static token tree)",
                 {"path": (str, REQUIRED)}, 4, _medusa, _check_learned, needs="hidden"),
     DrafterKind("eagle", "an EAGLE head made by `speclm train-drafter` (a dynamic token tree)",

@@ -27,7 +27,8 @@ class HFCausalLM:
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        head = model.get_output_embeddings()  # a quantized head (models/quantize.py) has no float weight
+        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.max_context = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         self.eos_token_ids = eos_token_ids
         self.num_layers = int(getattr(model.config, "num_hidden_layers", 0))

@@ -14,6 +14,8 @@ speculative decoding on it stays lossless with respect to its own plain decoding
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import nn
 
@@ -147,3 +149,30 @@ def quantize_weights(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, Int8Linear(m) if scheme == "int8" else Int4Linear(m))
     return len(linears)
+
+
+def quantized_copy(model: nn.Module, scheme: str, dtype: torch.dtype | None = None) -> nn.Module:
+    """A weight-only ``scheme`` copy of ``model`` that shares every tensor it does not quantize.
+
+    The copy's ``nn.Linear`` layers are swapped for quantized ones built from the original
+    weights; embeddings, norms and every other parameter stay the very tensors of ``model`` (no
+    second float copy), and ``model`` itself is unchanged. ``dtype`` (default: the model's own)
+    is the copy's compute dtype; PyTorch's quantized kernels take float32, bfloat16 or float16,
+    so a float64 model (tests) is copied in float32. A copy in another dtype than the model's
+    owns its tensors (cast like the compiled path casts: rotary frequencies stay float32).
+    """
+    current = next(model.parameters()).dtype
+    if dtype is None:
+        dtype = current if current in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    if dtype == current:
+        # the module tree is new, every parameter memoized as itself: the tensors are shared
+        clone = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
+    else:  # casting shared parameters would cast the target's own (``Module.to`` sets .data)
+        clone = copy.deepcopy(model)
+        rotary = {n: b.detach().clone() for n, b in clone.named_buffers() if "inv_freq" in n}
+        clone = clone.to(dtype)
+        for name, buf in rotary.items():
+            owner, _, leaf = name.rpartition(".")
+            setattr(clone.get_submodule(owner) if owner else clone, leaf, buf)
+    quantize_weights(clone, scheme)
+    return clone.eval()

@@ -24,7 +24,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     which.add_argument("--drafter", metavar="NAME[:OPTS]",
                        help="a drafter by name, as for speclm generate: ngram, suffix, recycle, "
                             "layerskip[:skip=...], early-exit[:layers=N], draft:path=DIR, distilled, "
-                            "medusa:path=DIR, eagle:path=DIR, auto")
+                            "quant[:bits=4], medusa:path=DIR, eagle:path=DIR, auto")
     which.add_argument("--draft-model", metavar="PATH",
                        help="draft with a smaller model sharing the target's tokenizer (HF folder, "
                             ".gguf or 'default'); loaded once, each request drafts on its own cache")

@@ -1,0 +1,113 @@
+"""The quantized self-draft: the target's own weights at fewer bits draft for the unchanged target.
+
+Training-free, and lossless like every drafter: only the draft is quantized, and the verifier
+judges its tokens against the full-precision target (the idea of Intel's ML-SpecQD). The draft
+agrees with the target on most tokens, so acceptance is high; it pays where a forward's cost
+follows the bytes of weights read, so fewer bits make a cheaper forward.
+
+What the draft is, by the target's backend:
+
+* eager torch: a copy of the target whose ``nn.Linear`` layers are weight-only int8 or int4
+  (models/quantize.py ``quantized_copy``; embeddings, norms and rotary tables are the target's
+  own tensors), run eagerly;
+* the compiled torch path: the same copy of the compiled target's model (its dtype, e.g.
+  bfloat16), compiled over its own static cache with the target's token and cache buckets;
+* llama.cpp: a requantized copy of the target's GGUF file (models/requantize.py, made once and
+  cached), run by llama.cpp.
+
+The draft then drafts exactly as a draft model does (:class:`~.draft_model.DraftModelDrafter`:
+chains, ``p_min``, token trees, asynchronous drafting); the rows of a server share one loaded
+copy and fork its cache per row (api ``row_drafters``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..errors import SpeclmError
+from ..models.base import CausalLM
+
+TORCH_BITS = {4: "int4", 8: "int8"}  # bits -> models/quantize.py scheme
+GGUF_BITS = {2: "q2_k", 3: "q3_k_s", 4: "q4_0", 8: "q8_0"}  # bits -> models/requantize.py type
+ALL_BITS = sorted(set(TORCH_BITS) | set(GGUF_BITS))
+
+
+def check_bits(bits: int) -> None:
+    """Reject a bit width no backend offers (before any model loads)."""
+    if bits not in ALL_BITS:
+        raise SpeclmError(f"quant: bits={bits} is not offered; torch backends take bits="
+                          f"{'/'.join(map(str, TORCH_BITS))}, llama.cpp bits={'/'.join(map(str, GGUF_BITS))}")
+
+
+def _backend_kind(target) -> str:
+    name = getattr(target, "backend_name", "torch")
+    if name == "llamacpp":
+        return "llamacpp"
+    return "compiled" if name.startswith("torch-compiled") else "torch"
+
+
+def quant_draft(target, bits: int, progress: bool = True, fast: bool = False) -> tuple[str, Callable[[], CausalLM]]:
+    """A key naming the quantized draft of ``target`` (shared by every row of a setup) and a
+    function that builds it. Raises a one-line error where the backend cannot give ``bits``.
+    ``fast``: an eager torch target's draft runs on the compiled path instead (its own static
+    cache and compiled steps, bfloat16 where the hardware has it)."""
+    kind = _backend_kind(target)
+    if fast and kind != "torch":
+        raise SpeclmError("quant: fast=1 compiles the draft of an eager torch target; this target "
+                          f"runs on {'llama.cpp' if kind == 'llamacpp' else 'the compiled path'} already")
+    if kind == "llamacpp":
+        if bits not in GGUF_BITS:
+            raise SpeclmError(f"quant: bits={bits} is not offered on llama.cpp; use bits="
+                              f"{'/'.join(map(str, GGUF_BITS))} (GGUF {', '.join(GGUF_BITS.values())}) "
+                              "or run the target with --backend torch")
+        return f"quant:{GGUF_BITS[bits]}", lambda: _gguf_draft(target, GGUF_BITS[bits], progress)
+    if bits not in TORCH_BITS:
+        raise SpeclmError(f"quant: bits={bits} is not offered on the torch backends; use bits="
+                          f"{'/'.join(map(str, TORCH_BITS))} (weight-only int8/int4), or bits=2/3 on "
+                          "--backend llamacpp")
+    quantized = getattr(target, "quantize", None)
+    if quantized:
+        raise SpeclmError(f"quant: the target is already {quantized}-quantized (--quantize); the "
+                          "quantized self-draft needs a full-precision target (drop --quantize)")
+    scheme = TORCH_BITS[bits]
+    if fast:
+        return f"quant:{scheme}:fast", lambda: _fast_draft(target, scheme)
+    return f"quant:{scheme}", lambda: _torch_draft(target, scheme, compiled=kind == "compiled")
+
+
+def _gguf_draft(target, type_name: str, progress: bool) -> CausalLM:
+    from ..models.llamacpp import LlamaCppLM, LlamaCppModel
+    from ..models.requantize import requantize_gguf
+
+    weights = target.weights  # the target's LlamaCppModel (every row's handle has it)
+    path = requantize_gguf(weights.path, type_name, threads=weights.threads, progress=progress)
+    return LlamaCppLM(LlamaCppModel(path, threads=weights.threads), target.eos_token_ids,
+                      max_context=target.max_context)
+
+
+def _torch_draft(target, scheme: str, compiled: bool) -> CausalLM:
+    from ..models.quantize import quantized_copy
+
+    model = quantized_copy(target.model, scheme)
+    if not compiled:
+        from ..models.hf import HFCausalLM
+
+        return HFCausalLM(model, target.eos_token_ids)
+    from ..models.compiled import CompiledCausalLM
+
+    draft = CompiledCausalLM(model, target.eos_token_ids, buckets=target.buckets,
+                             capacities=target.capacities, quantize=scheme,
+                             compile_backend=target.compile_backend)
+    draft.warmup(1)  # a chain feeds one or two tokens a call: compile those steps now
+    return draft
+
+
+def _fast_draft(target, scheme: str) -> CausalLM:
+    """An eager target's draft on the compiled path, in the fast dtype (it owns its tensors)."""
+    from ..models.compiled import CompiledCausalLM, fast_dtype
+    from ..models.quantize import quantized_copy
+
+    model = quantized_copy(target.model, scheme, dtype=fast_dtype(target.device))
+    draft = CompiledCausalLM(model, target.eos_token_ids, quantize=scheme)
+    draft.warmup(1)
+    return draft

@@ -1,0 +1,275 @@
+"""The quantized self-draft (drafters/quant.py): the target's own weights at fewer bits draft.
+
+On tiny float64 Llama models: the int8/int4 copy really is quantized (its logits differ from the
+target's) and shares the target's unquantized tensors, yet greedy output is token-identical to
+plain decoding (chains, trees, eager and compiled targets, through the API) and sampled output
+follows the target's exact distribution (chi-square); rows of a server share one loaded copy;
+bad options fail in one line. The GGUF requantization cache is tested with a stand-in for
+llama.cpp's quantizer, and on the real default model with llama.cpp itself (``real_model``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from speclm import LLM, SamplingParams, SpeclmError
+from speclm.draft_length import DraftLengthConfig
+from speclm.drafters import DraftModelDrafter
+from speclm.drafters.quant import quant_draft
+from speclm.drafters.registry import parse_drafter
+from speclm.drafters.tree_search import TreeShape
+from speclm.models.quantize import Int4Linear, Int8Linear, quantized_copy
+
+from .conftest import backend, tiny_model
+from .test_lossless import assert_matches_distribution, prompts, run, sampling_setup
+
+VOCAB = 96
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(VOCAB, seed=10, seed_layers=4)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_copy_is_quantized_and_shares_the_rest(scheme):
+    model = tiny_model(VOCAB, seed=10, seed_layers=4).float()
+    copy = quantized_copy(model, scheme)
+    kind = Int8Linear if scheme == "int8" else Int4Linear
+    assert {type(m) for m in copy.modules()} >= {kind} and torch.nn.Linear not in {type(m) for m in copy.modules()}
+    assert any(isinstance(m, torch.nn.Linear) for m in model.modules())  # the target is untouched
+    assert copy.model.embed_tokens.weight is model.model.embed_tokens.weight  # shared, not copied
+    assert copy.model.norm.weight is model.model.norm.weight
+    ids = prompts(1)[0]
+    a = backend(model).forward(ids, 0, num_logits=ids.shape[0]).logits
+    b = backend(copy).forward(ids, 0, num_logits=ids.shape[0]).logits
+    err = float((a - b).norm() / a.norm())
+    assert 1e-4 < err < (0.05 if scheme == "int8" else 0.6), err  # really quantized, still close
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("tree", [None, TreeShape(top_k=2, budget=6)], ids=["chain", "tree"])
+def test_greedy_identity_eager(target, bits, tree):
+    lm = backend(target)
+    key, make = quant_draft(lm, bits)
+    draft = make()
+    assert draft.model is not target and draft.dtype == torch.float32  # float64 is copied in float32
+    greedy = SamplingParams(max_tokens=32, ignore_eos=True)
+    accepted = rejected = 0
+    for i, prompt in enumerate(prompts(6, seed=bits)):
+        plain, _ = run(lm, prompt, greedy)
+        k = (1, 3, 6)[i % 3]
+        spec, stats = run(lm, prompt, greedy, DraftModelDrafter(draft, VOCAB, tree=tree),
+                          DraftLengthConfig(draft_max=k, adaptive=i % 2 == 0))
+        assert spec == plain, f"prompt {i}: quant-drafted output diverged from plain greedy"
+        accepted += stats.accepted_tokens
+        rejected += stats.drafted_tokens - stats.accepted_tokens
+    assert accepted > 0 and (rejected > 0 or tree is not None)  # partial acceptance: not the target
+
+
+def test_greedy_identity_compiled_target(target):
+    from speclm.models.compiled import make_compiled
+
+    fast = make_compiled(target, frozenset({0}), buckets=(1, 4, 8), capacities=(264,),
+                         compile_backend="aot_eager")
+    _, make = quant_draft(fast, 4)
+    draft = make()
+    assert draft.backend_name == "torch-compiled+int4" and draft.buckets == fast.buckets
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    accepted = 0
+    for prompt in prompts(3, seed=5):
+        plain, _ = run(backend(target), prompt, greedy)
+        spec, stats = run(fast, prompt, greedy, DraftModelDrafter(draft, VOCAB), DraftLengthConfig(4, adaptive=False))
+        assert spec == plain
+        accepted += stats.accepted_tokens
+    assert accepted > 0
+
+
+def test_api_greedy_identity_and_rows_share_one_copy(model_dirs):
+    llm = LLM(str(model_dirs["target"]), "quant:bits=8", 4, dtype="float64", adaptive_draft=False)
+    assert llm.speculation.name == "quant[8-bit]"
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for text in ("the quick brown fox", "def add(a, b):"):
+        spec = llm.generate(text, params)[0]
+        plain = llm.generate(text, params, speculative=False)[0]
+        assert spec.token_ids == plain.token_ids and spec.stats.drafted_tokens > 0
+    rows = llm.row_drafters("quant:bits=4,tree=2,budget=6")
+    first, second = rows.factory(None), rows.factory(None)
+    assert first.model is not second.model  # a cache per row ...
+    assert first.model.model is second.model.model  # ... over one quantized copy
+    assert first.tree is not None
+
+
+def test_sampling_matches_target_distribution():
+    vocab, length, n = 5, 3, 1500
+    target_model, lm, params, prompt, expected = sampling_setup(vocab, length)
+    _, make = quant_draft(lm, 4)
+    drafter = DraftModelDrafter(make(), vocab)
+    gen = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(vocab**length, dtype=torch.float64)
+    accepted = rejected = 0
+    for _ in range(n):
+        seq, stats = run(lm, prompt, params, drafter, DraftLengthConfig(draft_max=2), gen)
+        counts[(torch.tensor(seq) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
+        accepted += stats.accepted_tokens
+        rejected += stats.drafted_tokens - stats.accepted_tokens
+    assert accepted > n // 10 and rejected > 0  # q really differs from p
+    assert_matches_distribution(counts, expected)
+
+
+def test_bad_options_fail_in_one_line(target, model_dirs):
+    with pytest.raises(SpeclmError, match="bits=5 is not offered.*torch.*4/8.*llama.cpp.*2/3/4/8"):
+        parse_drafter("quant:bits=5")
+    with pytest.raises(SpeclmError, match="p_min applies to chains"):
+        parse_drafter("quant:tree=2,p_min=0.3")
+    with pytest.raises(SpeclmError, match="not offered on the torch backends; use bits=4/8"):
+        quant_draft(backend(target), 2)
+    from speclm.models.compiled import make_compiled
+
+    int4 = make_compiled(target.float(), frozenset({0}), quantize="int4", compile_backend="aot_eager")
+    with pytest.raises(SpeclmError, match="already int4-quantized"):
+        quant_draft(int4, 8)
+    llm = LLM(str(model_dirs["target"]), dtype="float64")
+    with pytest.raises(SpeclmError, match="bits=3 is not offered on the torch backends"):
+        llm.make_speculation("quant:bits=3")
+
+
+class _FakeLlamaCpp:
+    """Stands in for llama_cpp's quantizer: writes a file and counts calls."""
+
+    LLAMA_FTYPE_MOSTLY_Q4_0 = 2
+
+    def __init__(self, fail: bool = False):
+        self.calls, self.fail = [], fail
+
+    def llama_backend_init(self):
+        pass
+
+    def llama_model_quantize_default_params(self):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(ftype=0, allow_requantize=False, nthread=0)
+
+    def llama_model_quantize(self, src, dst, params_ref):
+        params = params_ref._obj
+        self.calls.append((src, dst, params.ftype, params.allow_requantize))
+        Path(dst.decode()).write_bytes(b"GGUF requantized")
+        return 1 if self.fail else 0
+
+
+def test_requantize_cache_made_once_atomically(tmp_path, monkeypatch, capsys):
+    import ctypes
+
+    from speclm.models import requantize
+
+    monkeypatch.setenv("SPECLM_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(ctypes, "byref", lambda obj: type("Ref", (), {"_obj": obj})())
+    source = tmp_path / "model.Q4_1.gguf"
+    source.write_bytes(b"GGUF source")
+    broken = _FakeLlamaCpp(fail=True)
+    monkeypatch.setattr(requantize, "import_llama_cpp", lambda: broken)
+    with pytest.raises(SpeclmError, match="could not requantize model.Q4_1.gguf to Q4_0"):
+        requantize.requantize_gguf(source, "q4_0")
+    assert not any((tmp_path / "cache" / "requantized").iterdir())  # no half-written file left
+    fake = _FakeLlamaCpp()
+    monkeypatch.setattr(requantize, "import_llama_cpp", lambda: fake)
+    out = requantize.requantize_gguf(source, "q4_0")
+    assert "requantizing model.Q4_1.gguf to Q4_0" in capsys.readouterr().err
+    assert out.read_bytes() == b"GGUF requantized" and out.parent == tmp_path / "cache" / "requantized"
+    assert fake.calls[0][2:] == (2, True)  # Q4_0, allow_requantize
+    assert requantize.requantize_gguf(source, "q4_0") == out and len(fake.calls) == 1  # reused
+    assert capsys.readouterr().err == ""
+    os.utime(source, ns=(1, 1))  # another file at the same path: a new copy
+    assert requantize.requantize_gguf(source, "q4_0", progress=False) != out and len(fake.calls) == 2
+    with pytest.raises(SpeclmError, match="unknown GGUF type 'q1'"):
+        requantize.requantize_gguf(source, "q1")
+
+
+@pytest.mark.real_model
+def test_llamacpp_requantized_draft_on_the_default_model(tmp_path, monkeypatch, capfd):
+    """A Q2_K copy of the default model's GGUF (made once, reused) drafts on llama.cpp; greedy
+    output equals llama.cpp's own plain decoding."""
+    from speclm.models import requantize
+    from speclm.models.llamacpp import llama_cpp_available
+
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python not installed")
+    monkeypatch.setattr(requantize, "cache_dir", lambda: tmp_path)
+    llm = LLM("default", "quant:bits=2", 4, backend="llamacpp", adaptive_draft=False)
+    assert "requantizing" in capfd.readouterr().err
+    made = list((tmp_path / "requantized").glob("*-q2_k-*.gguf"))
+    assert len(made) == 1 and made[0].stat().st_size < llm.target.weights.path.stat().st_size
+    assert llm.drafter.model.weights.path == made[0]
+    params = SamplingParams(max_tokens=48)
+    accepted = 0
+    for text in ("List the planets of the solar system in order, one per line, with one fact about each.",
+                 "Write a Python function that returns the n-th Fibonacci number, then explain it."):
+        messages = [{"role": "user", "content": text}]
+        out = llm.chat(messages, params)
+        assert out.token_ids == llm.chat(messages, params, speculative=False).token_ids
+        accepted += out.stats.accepted_tokens
+    assert accepted > 0
+    again = llm.make_speculation("quant:bits=2")  # cached: no second requantization
+    assert "requantizing" not in capfd.readouterr().err and again.drafter.model.weights.path == made[0]
+
+
+def test_cli_generate_and_bench(capsys, model_dirs, tmp_path):
+    import json
+
+    from speclm.cli import main
+
+    code = main(["generate", "the quick brown fox", "--model", str(model_dirs["target"]), "--dtype", "float64",
+                 "-n", "12", "--drafter", "quant:bits=8", "--compare", "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert code == 0 and result["compare"]["identical"] and result["stats"]["drafter"] == "quant[8-bit]"
+    code = main(["generate", "x", "--model", str(model_dirs["target"]), "--drafter", "quant:bits=6"])
+    err = capsys.readouterr().err
+    assert code == 2 and "bits=6 is not offered" in err and len(err.strip().splitlines()) == 1
+    prompts_file = tmp_path / "p.jsonl"
+    prompts_file.write_text('{"category": "echo", "turns": ["the quick brown fox", "again please"]}\n')
+    code = main(["bench", "--model", str(model_dirs["target"]), "--dtype", "float64", "--prompts", str(prompts_file),
+                 "--max-new-tokens", "8", "--method", "quant:bits=4,k=3", "--out", str(tmp_path / "out")])
+    out = capsys.readouterr().out
+    assert code == 0 and "MISMATCH" not in out and "| quant:bits=4,k=3 | all | 2 |" in out
+    rows = json.loads((tmp_path / "out" / "results.json").read_text())["rows"]
+    assert all(r["identical"] for r in rows)
+
+
+def test_server_rows_draft_with_one_quantized_copy(model_dirs):
+    """speclm serve --drafter quant:bits=8: concurrent requests (one batched target forward on
+    eager torch), each row drafting on its own cache over the one copy, answers equal plain."""
+    import threading
+
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from speclm.serve.launch import ServeOptions, build_app
+
+    opts = ServeOptions(model=str(model_dirs["target"]), dtype="float64", max_batch=3, max_queue=3,
+                        served_model_name="tiny", draft_max=4)
+    opts.drafter = "quant:bits=8"
+    texts = ["the quick brown fox", "def add(a, b):", "the lazy dog. the lazy dog."]
+    solo = LLM(str(model_dirs["target"]), None, dtype="float64")
+    with TestClient(build_app(opts), base_url="http://localhost") as http:
+        answers: dict[int, dict] = {}
+
+        def ask(i: int) -> None:
+            answers[i] = http.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": texts[i]}], "max_tokens": 16,
+                "temperature": 0, "ignore_eos": True}).json()
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(texts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        params = SamplingParams(max_tokens=16, ignore_eos=True)
+        for i, text in enumerate(texts):
+            expected = solo.chat([{"role": "user", "content": text}], params, speculative=False).text
+            assert answers[i]["choices"][0]["message"]["content"] == expected, f"request {i}"
+            assert answers[i]["speclm"]["drafter"] == "quant[8-bit]"
+        assert sum(a["speclm"]["drafted_tokens"] for a in answers.values()) > 0
