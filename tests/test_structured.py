@@ -40,7 +40,7 @@ from speclm.stats import RequestStats
 from speclm.structured.compiler import GrammarCompiler
 from speclm.structured.spec import grammar_spec
 from speclm.verifier import verify
-from speclm.drafters.base import Draft
+from speclm.drafters.base import Draft, DraftContext
 
 from .conftest import backend, noisy_copy, tiny_model
 from .test_batch import drive
@@ -185,7 +185,25 @@ def exact_constrained_distribution(model, prompt, params) -> dict[tuple[int, ...
     return out
 
 
-@pytest.mark.parametrize("kind", ["draft-model", "draft-model-tree", "ngram"])
+class FixedQDrafter:
+    """Drafts i.i.d. tokens from one fixed q whatever the context: an adversarial draft with
+    half its mass on "c", which the grammar forbids at three positions of four."""
+
+    def __init__(self, q: torch.Tensor) -> None:
+        self.q = q  # [V]
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        tokens = torch.multinomial(self.q, ctx.max_tokens, replacement=True, generator=ctx.generator)
+        return Draft(tokens, self.q.expand(ctx.max_tokens, -1).clone())  # [k], [k, V]
+
+    def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("kind", ["fixed-q", "draft-model-tree", "ngram"])
 def test_constrained_sampling_matches_the_masked_target_distribution(kind):
     vocab, n = 5, 2000
     tokenizer = letters()
@@ -195,12 +213,13 @@ def test_constrained_sampling_matches_the_masked_target_distribution(kind):
     params = SamplingParams(temperature=1.0, top_k=2, max_tokens=6, grammar=TINY_GRAMMAR)
     prompt = torch.tensor([1, 3, 2, 1, 3, 4, 1, 3])  # "acbacdac": prompt lookup finds matches
     expected = exact_constrained_distribution(target, prompt, params)
-    if kind.startswith("draft-model"):  # a sharp, biased draft: its q often leaves the grammar
+    if kind == "fixed-q":
+        drafter = FixedQDrafter(torch.tensor([0.1, 0.2, 0.1, 0.5, 0.1], dtype=torch.float64))
+    elif kind == "draft-model-tree":  # a sharp, biased draft model's token tree
         draft = noisy_copy(target, 0.3, seed=21)
         with torch.no_grad():
             draft.lm_head.weight.mul_(3.0)
-        tree = TreeShape(top_k=2, budget=5) if kind.endswith("tree") else None
-        drafter = DraftModelDrafter(backend(draft), vocab, tree=tree)
+        drafter = DraftModelDrafter(backend(draft), vocab, tree=TreeShape(top_k=2, budget=5))
     else:
         drafter = NgramDrafter(1, 2)
     config = DraftLengthConfig(draft_max=3, adaptive=False)
@@ -217,8 +236,8 @@ def test_constrained_sampling_matches_the_masked_target_distribution(kind):
         accepted += stats.accepted_tokens
         rejected += stats.grammar_rejected_tokens
     assert accepted > n // 10  # speculation really happened
-    if kind.startswith("draft-model"):
-        assert rejected > 0  # the grammar cut drafts before verification
+    if kind == "fixed-q":
+        assert rejected > n // 2  # the grammar cut drafts before verification
     assert_matches_distribution(counts, torch.tensor([expected[k] for k in keys], dtype=torch.float64))
 
 
@@ -257,6 +276,9 @@ def test_matcher_rollback_restores_masks(setup, tiny_tokenizer):
     assert m.advance(ids) == len(ids) and m.stopped
     masks = m.masks_along([])
     assert masks.shape == (1, len(tiny_tokenizer)) and masks[0].nonzero().flatten().tolist() == [0]  # EOS
+    assert m.advance([0, 0]) == 2 and m.stopped  # EOS after the end: taken, and undone by rollback
+    m.rollback(2)
+    assert m.stopped and m.masks_along([0])[0].nonzero().flatten().tolist() == [0]
     for back in (1, 5, len(ids)):
         m.rollback(back)
         fresh = compiler.matcher(spec)

@@ -65,8 +65,7 @@ def guided_draft(matcher: GrammarMatcher, propose: Callable[[], tuple[Draft, boo
     if draft.tree is not None:
         return _prune_tree(matcher, draft), asked
     tokens = draft.tokens.tolist()  # a host copy: the grammar lives on the host
-    n = matcher.valid_prefix(tokens)
-    matcher.advance(tokens[:n])
+    n = matcher.advance(tokens)  # up to the first token the grammar forbids
     extra = matcher.forced(limit - n)  # what the grammar forces after the kept draft
     matcher.rollback(n)
     matcher.round = GrammarRound(n, len(extra), len(tokens) - n)

@@ -11,6 +11,9 @@ bool tensor at once (one vectorised AND; unpacking mask by mask costs several ti
 
 EOS is a token like any other here: the grammar allows it only where the output is complete
 (``accepting``), and once the grammar can take nothing more (``stopped``) EOS is all it allows.
+llguidance refuses to consume an EOS once stopped although its mask allows it (and its
+``validate_tokens`` counts it); this class takes such EOS tokens without moving llguidance, and
+counts them, so that every advance is undone by a rollback of the same count.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class GrammarMatcher:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos_token_ids
         self.num_words = (vocab_size + 31) // 32
+        self._tail_eos = 0  # EOS tokens taken after the grammar stopped (llguidance took none)
         self.round = None  # the grammar's account of the round in flight (speclm.structured.drafts)
 
     # -- queries (no state change) -----------------------------------------------------------
@@ -84,10 +88,23 @@ class GrammarMatcher:
     def advance(self, tokens: list[int]) -> int:
         """Consume as many of ``tokens`` as the grammar allows, in order; how many it took. A
         refused token leaves the state as it was before it."""
-        return self._m.try_consume_tokens(tokens) if tokens else 0
+        taken = 0
+        while taken < len(tokens):
+            if self._m.is_stopped() and tokens[taken] in self.eos_token_ids:
+                self._tail_eos += 1
+                taken += 1
+                continue
+            moved = self._m.try_consume_tokens(tokens[taken:])
+            if moved == 0:
+                break
+            taken += moved
+        return taken
 
     def rollback(self, count: int) -> None:
         """Undo the last ``count`` consumed tokens."""
+        tail = min(count, self._tail_eos)
+        self._tail_eos -= tail
+        count -= tail
         if count and not self._m.rollback(count):
             raise RuntimeError(f"the grammar matcher could not roll back {count} tokens: "
                                f"{self._m.get_error()}")
