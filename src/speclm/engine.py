@@ -48,7 +48,7 @@ from .models.rows import RowsOutput, SlotRows, TargetRows
 from .sampling import SamplingParams
 from .sequence import Sequence
 from .stats import RequestStats
-from .structured.compiler import GrammarCompiler
+from .structured.compiler import GrammarCompiler, request_matcher
 from .structured.drafts import commit_round, draft_masks, guided_draft
 from .verifier import verify
 
@@ -172,19 +172,10 @@ class Engine:
         stats.prompt_tokens = n
         gen = generator if generator is not None else params.make_generator(self.rows.device)
         seq = Sequence(request_id, params, gen, drafter, tokens, n, limit, stats,
-                       own_drafter=drafter is not None, grammar=self._grammar(params))
+                       own_drafter=drafter is not None, grammar=request_matcher(self.grammars, params.structured))
         stats.constrained = seq.grammar is not None
         self.waiting.append(seq)
         return seq
-
-    def _grammar(self, params: SamplingParams):
-        """The request's grammar matcher (None: unconstrained); a bad schema raises here."""
-        if params.structured is None:
-            return None
-        if self.grammars is None:
-            raise SpeclmError("structured outputs need the model's tokenizer: run through LLM, "
-                              "or give Engine(grammars=GrammarCompiler(...))")
-        return self.grammars.matcher(params.structured)
 
     def abort(self, request_id: str) -> None:
         """Stop a request; its row is freed at the start of the next step."""

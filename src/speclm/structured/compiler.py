@@ -119,6 +119,16 @@ class GrammarCompiler:
         return proto
 
 
+def request_matcher(grammars: GrammarCompiler | None, spec: GrammarSpec | None) -> GrammarMatcher | None:
+    """A request's matcher (None: unconstrained); a bad schema or grammar raises here."""
+    if spec is None:
+        return None
+    if grammars is None:
+        raise SpeclmError("structured outputs need the model's tokenizer: run through LLM, "
+                          "or give Engine(grammars=GrammarCompiler(...))")
+    return grammars.matcher(spec)
+
+
 def _one_line(message: str, limit: int = 300) -> str:
     """llguidance's messages can span lines (a grammar excerpt under the reason): the first
     line, the line that names the error if another does, bounded."""
