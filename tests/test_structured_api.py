@@ -187,3 +187,21 @@ def test_default_model_writes_valid_json():
     assert out.token_ids == llm.chat(messages, params, speculative=False).token_ids
     obj = llm.chat(messages, SamplingParams(max_tokens=96, json_object=True))
     assert obj.finish_reason != "stop" or isinstance(json.loads(obj.text), dict)
+
+
+@pytest.mark.real_model
+def test_default_model_on_llamacpp_writes_valid_json():
+    """The grammar lives in the engine, so every backend gets it; on llama.cpp greedy identity with
+    plain decoding holds up to its kernels' near-ties (docs/benchmarks.md), so validity is checked."""
+    from speclm.models.llamacpp import llama_cpp_available
+
+    if not llama_cpp_available():
+        pytest.skip("llama-cpp-python not installed")
+    llm = LLM("default", "ngram", 8, backend="llamacpp", adaptive_draft=False)
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "reason": {"type": "string", "maxLength": 80}},
+              "required": ["answer", "reason"], "additionalProperties": False}
+    out = llm.chat([{"role": "user", "content": "Is the Thames a river? Answer as JSON."}],
+                   SamplingParams(max_tokens=64, json_schema=schema))
+    assert validates(out.text, schema), out.text
+    assert out.stats.backend == "llamacpp" and out.stats.forced_tokens > 0
