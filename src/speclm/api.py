@@ -27,6 +27,7 @@ from .models.loading import resolve_model_path
 from .sampling import SamplingParams
 from .specs import OptionString
 from .stats import RequestStats
+from .structured.compiler import GrammarCompiler
 
 Message = dict[str, str]
 Prompt = Union[str, Sequence[Message]]  # text, or chat messages ({"role", "content"} dicts)
@@ -137,6 +138,7 @@ class LLM:
         self.tokenizer = self._loaded.tokenizer
         self.target = self._loaded.backend
         self._cost: CostModel | None = None
+        self._grammars: GrammarCompiler | None = None
         self.speculation = self.make_speculation(
             speculative_model, num_speculative_tokens, draft_min=draft_min,
             draft_p_min=draft_p_min, adaptive_draft=adaptive_draft, async_draft=async_draft,
@@ -271,6 +273,14 @@ class LLM:
                                     max_width=max_width)
         return self._cost
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured outputs' compiler for this model's tokenizer (built on first use)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size,
+                                             self.target.eos_token_ids)
+        return self._grammars
+
     # -- prompts ---------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
         """Token ids for a text prompt, or for chat messages through the chat template."""
@@ -311,6 +321,7 @@ class LLM:
         """
         params = params or SamplingParams()
         params.validate()
+        self.grammars.check(params.structured)  # a bad schema or grammar fails before any work
         prompt_ids = torch.tensor(self.encode(prompt), dtype=torch.long)
         spec = speculative if isinstance(speculative, Speculation) else (
             self.speculation if speculative else None)
@@ -325,6 +336,7 @@ class LLM:
             drafter=spec.drafter if spec is not None else None,
             draft_length=spec.draft_length if spec is not None else None,
             stats=stats, generator=params.make_generator(self.target.device), cost_model=cost,
+            grammars=self.grammars,
         )
         delivered = 0  # tokens handed to the caller
         try:

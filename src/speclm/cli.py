@@ -90,6 +90,18 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s.add_argument("--system", help="system message for chat-formatted prompts")
 
+    g = p.add_argument_group("structured output (at most one; lossless under speculation)")
+    which = g.add_mutually_exclusive_group()
+    which.add_argument("--json-schema", metavar="FILE",
+                       help="the output is JSON valid under the JSON schema in FILE (written "
+                            "compactly, ', ' and ': ' between items; properties in schema order)")
+    which.add_argument("--json-object", action="store_true", help="the output is a JSON object")
+    which.add_argument("--regex", metavar="RE",
+                       help="the whole output matches the regular expression RE (Rust syntax)")
+    which.add_argument("--grammar", metavar="FILE",
+                       help="the output follows the grammar in FILE: Lark-style (llguidance's "
+                            "dialect, start rule 'start') or llama.cpp GBNF (start rule 'root')")
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -131,8 +143,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _sampling(args: argparse.Namespace) -> SamplingParams:
+    schema = _read_text(args.json_schema, "JSON schema") if args.json_schema else None
+    grammar = _read_text(args.grammar, "grammar") if args.grammar else None
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          max_tokens=args.max_tokens, stop=args.stop, seed=args.seed)
+                          max_tokens=args.max_tokens, stop=args.stop, seed=args.seed,
+                          json_schema=schema, json_object=args.json_object, regex=args.regex,
+                          grammar=grammar)
+
+
+def _read_text(path: str, what: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise SpeclmError(f"cannot read {what} file {path!r}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpeclmError(f"{what} file {path!r} is not UTF-8 text") from None
 
 
 def _make_llm(args: argparse.Namespace):

@@ -21,6 +21,11 @@ last (the *pending* token). One :meth:`Engine.step`:
 
 Plain decoding is the same loop with no drafter (K = 0), so the baseline shares the sampler, the
 cache and the timing code with every speculative method. A step makes one host sync.
+
+A request with structured outputs (``SamplingParams(json_schema=...)`` etc.) carries a grammar
+matcher that follows its committed tokens; speclm.structured.drafts shapes its drafts (pruned to
+the grammar, forced tokens drafted without the drafter), gives the verifier the grammar's mask at
+every draft position, and advances over what each round commits.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from .models.rows import RowsOutput, SlotRows, TargetRows
 from .sampling import SamplingParams
 from .sequence import Sequence
 from .stats import RequestStats
+from .structured.compiler import GrammarCompiler, request_matcher
+from .structured.drafts import commit_round, draft_masks, guided_draft
 from .verifier import verify
 
 
@@ -106,6 +113,7 @@ class Engine:
     ``drafter_factory(handle)`` builds a drafter for each request that brings none, given its
     row's single-row target handle where the backend has one (``TargetRows.handle``).
     ``prefill_chunk``: most prompt tokens fed per step (None: whole prompts at once).
+    ``grammars``: compiles the structured-output constraints of requests that have one.
     Not thread-safe: one thread calls :meth:`add`, :meth:`abort` and :meth:`step`.
     """
 
@@ -118,6 +126,7 @@ class Engine:
         cost_prior: CostModel | None = None,
         prefill_chunk: int | None = None,
         drafter_name: str = "none",
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise SpeclmError(f"the prefill chunk must be >= 1 token, got {prefill_chunk}")
@@ -128,6 +137,7 @@ class Engine:
         self.cost_prior = cost_prior
         self.prefill_chunk = prefill_chunk
         self.drafter_name = drafter_name if drafter_factory is not None else "none"
+        self.grammars = grammars
         self.batch_policy = None
         if rows.num_slots > 1:  # the step's draft cap from measured (rows x tokens) cost
             self.batch_policy = BatchDraftPolicy(
@@ -162,7 +172,8 @@ class Engine:
         stats.prompt_tokens = n
         gen = generator if generator is not None else params.make_generator(self.rows.device)
         seq = Sequence(request_id, params, gen, drafter, tokens, n, limit, stats,
-                       own_drafter=drafter is not None)
+                       own_drafter=drafter is not None, grammar=request_matcher(self.grammars, params.structured))
+        stats.constrained = seq.grammar is not None
         self.waiting.append(seq)
         return seq
 
@@ -261,7 +272,14 @@ class Engine:
         return True
 
     def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
-        """The row's draft for this step, and whether its drafter was asked."""
+        """The row's draft for this step, and whether its drafter was asked. Under a grammar,
+        forced tokens are drafted up to K without asking the drafter (speclm.structured)."""
+        if seq.grammar is not None and seq.policy is not None:
+            limit = min(self.draft_length.draft_max, seq.budget - 1)
+            return guided_draft(seq.grammar, lambda: self._drafter_draft(seq), limit)
+        return self._drafter_draft(seq)
+
+    def _drafter_draft(self, seq: Sequence) -> tuple[Draft, bool]:
         if seq.policy is None:
             return Draft.empty(), False
         cfg = self.draft_length
@@ -299,6 +317,7 @@ class Engine:
         report.longest_draft = max(d.depth for d in drafts)
         if len(batch) > 1 and self.batch_policy is not None and report.longest_draft:
             drafts = self._cap(batch, drafts, report)
+        masks = [draft_masks(s.grammar, d) if s.grammar is not None else None for s, d in zip(batch, drafts)]
         _sync(self.rows.device)
         t1 = time.perf_counter()
         # -- verify ------------------------------------------------------------------------
@@ -318,7 +337,8 @@ class Engine:
         rows, topks = [], []
         for b, (seq, draft) in enumerate(zip(batch, drafts)):
             logits = out.logits[b, : ks[b] + 1]  # [k + 1, V]
-            verdict = verify(logits, draft.to(logits.device), seq.params, seq.generator)
+            allowed = masks[b].to(logits.device) if masks[b] is not None else None  # [k + 1, V]
+            verdict = verify(logits, draft.to(logits.device), seq.params, seq.generator, allowed)
             feedback = min(wanted_target_topk(seq.drafter), self.rows.vocab_size)
             # queued before the sync, so a drafter's feedback costs no extra sync: [k + 1, t]
             topks.append(logits.topk(feedback, dim=-1).indices if feedback else None)
@@ -375,6 +395,9 @@ class Engine:
                 if tok in self.rows.eos_token_ids:
                     emitted, finish = emitted[: i + 1], "stop"
                     break
+        if seq.grammar is not None:  # the grammar's end ends the request, ignore_eos or not
+            emitted, done = commit_round(seq.grammar, emitted, accepted, drafted, stats)
+            finish = "stop" if done else finish
         seq.generated += len(emitted)
         report.committed += len(emitted)
         stats.generated_tokens = seq.generated
@@ -451,12 +474,15 @@ def generate_tokens(
     stats: RequestStats | None = None,
     generator: torch.Generator | None = None,
     cost_model: CostModel | None = None,
+    grammars: GrammarCompiler | None = None,
 ) -> Iterator[Step]:
     """Generate from ``prompt_ids`` ([n] int64) as a batch of one, yielding each round's
     committed tokens. ``stats`` (if given) is filled in as the generation runs, and is complete
     once the generator is exhausted or closed. ``cost_model``: the target's measured verify
-    cost, the adaptive draft length's starting point (speclm.cost_model)."""
-    engine = Engine(SlotRows(target, 1), draft_length=draft_length, cost_prior=cost_model)
+    cost, the adaptive draft length's starting point (speclm.cost_model). ``grammars``: for
+    structured outputs (``params.structured``)."""
+    engine = Engine(SlotRows(target, 1), draft_length=draft_length, cost_prior=cost_model,
+                    grammars=grammars)
     engine.add("request", prompt_ids, params, drafter=drafter, generator=generator, stats=stats)
     try:
         while engine.has_work:

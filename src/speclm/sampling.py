@@ -8,10 +8,12 @@ and both sample through :func:`sample_token`, which takes an explicit ``torch.Ge
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .errors import SpeclmError
+from .structured.spec import GrammarSpec, grammar_spec
 
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (as in vLLM): 1/T would overflow
 
@@ -24,6 +26,13 @@ class SamplingParams:
     speculation); so does any temperature below ``GREEDY_BELOW`` (1e-5), where sampling is
     greedy in all but name and ``logits / T`` would overflow. ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes sampling
     reproducible; ``None`` draws a fresh seed.
+
+    Structured outputs (at most one; speclm.structured): ``json_schema`` (a dict or its JSON
+    text), ``json_object`` (any JSON object), ``regex`` (the whole output matches it) or
+    ``grammar`` (Lark-style or GBNF). Tokens the constraint forbids get probability 0 before
+    the warp, in the target's p and the draft's q alike, so speculation stays lossless for the
+    constrained distribution; the request ends when the constraint is complete and allows
+    nothing more (or when the model picks EOS where the constraint allows it).
     """
 
     temperature: float = 0.0
@@ -33,6 +42,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    json_schema: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    structured: GrammarSpec | None = field(default=None, init=False, repr=False, compare=False)
+    #   the checked constraint of the four fields above (set by validate)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -55,6 +70,7 @@ class SamplingParams:
             raise SpeclmError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not s for s in self.stop):
             raise SpeclmError("stop strings must be non-empty")
+        self.structured = grammar_spec(self.json_schema, self.json_object, self.regex, self.grammar)
 
     @property
     def greedy(self) -> bool:

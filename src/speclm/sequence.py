@@ -11,6 +11,7 @@ from .draft_length import DraftLengthPolicy
 from .drafters.base import Drafter, drafter_report
 from .sampling import SamplingParams
 from .stats import RequestStats
+from .structured.matcher import GrammarMatcher
 
 
 @dataclass
@@ -39,6 +40,7 @@ class Sequence:
     aborted: bool = False
     closed: bool = False
     own_drafter: bool = False  # given with the request (reset here) rather than built for it
+    grammar: GrammarMatcher | None = None  # structured outputs: follows the committed output
     arrival: float = field(default_factory=time.perf_counter)
 
     @property

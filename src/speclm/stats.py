@@ -22,6 +22,10 @@ class RequestStats:
     drafter: str = "none"
     backend: str = "torch"  # what ran the target: torch, torch-compiled..., llamacpp
     cost_model: str | None = None  # the target's measured verify cost the draft length used
+    constrained: bool = False  # structured outputs: a grammar masked every token
+    forced_tokens: int = 0  # draft tokens the grammar forced (drafted without the drafter)
+    forced_accepted: int = 0  # of those, accepted (a forced tokenization can lose to another)
+    grammar_rejected_tokens: int = 0  # drafter tokens cut off before verification (forbidden)
     drafter_report: dict | None = None  # the drafter's own account of the request (see
     #   drafters/base.py): e.g. which drafter ``auto`` chose, when and why, with measured rates
 
@@ -87,6 +91,9 @@ class RequestStats:
         if self.judged_per_position:
             rates = " ".join(f"{r:.2f}" for r in self.acceptance_by_position)
             lines.append(f"acceptance by draft position: {rates}")
+        if self.constrained:
+            lines.append(f"grammar: forced {self.forced_tokens} draft tokens ({self.forced_accepted} "
+                         f"accepted), cut {self.grammar_rejected_tokens} drafted tokens it forbids")
         if verbose and self.cost_model:
             lines.append(self.cost_model)
         report = self.drafter_report or {}

@@ -21,6 +21,12 @@ if there is one. Either way each emitted token is distributed exactly as the tar
 
 An empty draft makes this plain decoding: one token sampled from p, which is how the baseline
 shares every line of the sampler with speculation.
+
+Structured outputs (speclm.structured) pass ``allowed``, the grammar's mask at every position of
+the draft: the target's logits outside it become -inf before the warp (so p is the constrained
+distribution, exactly what constrained plain decoding samples from), and a sampled draft's q is
+masked the same way and renormalised (the draft tokens that reach the verifier are the allowed
+ones, so the masked q is the distribution they were drawn from). The rules above are unchanged.
 """
 
 from __future__ import annotations
@@ -58,14 +64,35 @@ def residual_probs(p_target: torch.Tensor, q_draft: torch.Tensor) -> torch.Tenso
     return torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_target)
 
 
+def constrain(target_logits: torch.Tensor, draft: Draft, allowed: torch.Tensor | None) -> tuple[torch.Tensor, Draft]:
+    """Apply a grammar's mask (``allowed`` [k + 1, V] bool, row i + 1 = after draft node i) to
+    the target's logits (-inf outside it) and to a sampled draft's q (masked by the row of the
+    node's parent, renormalised). Without a mask, both come back unchanged."""
+    if allowed is None:
+        return target_logits, draft
+    target_logits = target_logits.masked_fill(~allowed, float("-inf"))  # [k + 1, V]
+    if draft.q_draft is None:
+        return target_logits, draft
+    if draft.tree is not None:  # [k]: the row whose distribution node i was drawn from
+        parent_rows = (draft.tree.parents + 1).to(allowed.device)
+    else:
+        parent_rows = torch.arange(draft.num_tokens, device=allowed.device)
+    q = draft.q_draft * allowed[parent_rows, : draft.q_draft.shape[-1]]  # [k, V]
+    q = q / q.sum(-1, keepdim=True).clamp_min(1e-30)
+    return target_logits, Draft(draft.tokens, q, draft.tree)
+
+
 def verify(
-    target_logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator
+    target_logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator,
+    allowed: torch.Tensor | None = None,
 ) -> Verdict:
     """Judge ``draft`` against the target.
 
     target_logits: [k + 1, V] where row i is the target's prediction for the position of draft
     token i (row k predicts the position after the draft, used for the bonus token).
+    allowed: [k + 1, V] bool or None: a grammar's mask per row (structured outputs).
     """
+    target_logits, draft = constrain(target_logits, draft, allowed)
     if draft.tree is not None:
         return _verify_tree(target_logits, draft, params, generator)
     draft_tokens = draft.tokens  # [k]

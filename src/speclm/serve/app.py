@@ -194,8 +194,10 @@ async def _generate(state: ServerState, request: Request, kind: str):
                        code="context_length_exceeded")
     try:
         params = req.sampling_params(wanted if wanted is not None else ctx - n)
+        # compiling a schema can take a while (cached per schema): off the event loop
+        await run_in_threadpool(state.llm.grammars.check, params.structured)
     except SpeclmError as exc:
-        raise APIError(400, str(exc)) from None
+        raise APIError(400, str(exc), param=req.constraint_param if req.constraint() else None) from None
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     retries = request.headers.get("x-stainless-retry-count")  # the openai clients send it
     handle = state.worker.submit(rid, prompt_ids, params,

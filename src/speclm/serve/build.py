@@ -120,7 +120,8 @@ def build_app(opts: ServeOptions):
     prior = llm.cost_model(1 + draft_length.draft_max) if draft_length is not None and draft_length.adaptive else None
     engine = Engine(rows, drafter_factory=factory, draft_length=draft_length, cost_prior=prior,
                     prefill_chunk=opts.prefill_chunk,
-                    drafter_name=rows_drafters.name if rows_drafters is not None else "none")
+                    drafter_name=rows_drafters.name if rows_drafters is not None else "none",
+                    grammars=llm.grammars)
     metrics = ServerMetrics()
     worker = EngineWorker(engine, llm.tokenizer, metrics, max_queue=opts.max_queue)
     config = ServerConfig(opts.model_name(), opts.api_key, opts.max_body_bytes, opts.shutdown_grace_s,

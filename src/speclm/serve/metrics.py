@@ -76,6 +76,19 @@ class ServerMetrics:
                                       "drafter", by, registry=r)
         self.drafter_forwards = Counter("speclm_drafter_target_forwards", "Row forwards (tau = "
                                         "generation tokens / forwards), by drafter", by, registry=r)
+        # structured outputs (finished constrained requests)
+        self.structured_requests = Counter("speclm_structured_requests", "Finished requests with "
+                                           "a JSON schema, JSON object, regex or grammar", registry=r)
+        self.structured_forced = Counter("speclm_structured_forced_tokens", "Draft tokens the "
+                                         "grammar forced (drafted without the drafter)", registry=r)
+        self.structured_forced_accepted = Counter("speclm_structured_forced_accepted_tokens",
+                                                  "Forced draft tokens accepted", registry=r)
+        self.structured_rejected = Counter("speclm_structured_grammar_rejected_tokens", "Drafted "
+                                           "tokens the grammar cut before verification", registry=r)
+        self.structured_drafted = Counter("speclm_structured_drafted_tokens", "Draft tokens "
+                                          "verified on constrained requests (forced included)", registry=r)
+        self.structured_accepted = Counter("speclm_structured_accepted_tokens", "Draft tokens "
+                                           "accepted on constrained requests", registry=r)
         self._totals = [0, 0, 0, 0]  # drafted, accepted, committed, row forwards
         self._positions: list[list[int]] = []  # [judged, accepted] per position
 
@@ -127,6 +140,13 @@ class ServerMetrics:
         self.drafter_accepted.labels(label).inc(stats.accepted_tokens)
         self.drafter_tokens.labels(label).inc(stats.generated_tokens)
         self.drafter_forwards.labels(label).inc(stats.target_forwards)
+        if stats.constrained:
+            self.structured_requests.inc()
+            self.structured_forced.inc(stats.forced_tokens)
+            self.structured_forced_accepted.inc(stats.forced_accepted)
+            self.structured_rejected.inc(stats.grammar_rejected_tokens)
+            self.structured_drafted.inc(stats.drafted_tokens)
+            self.structured_accepted.inc(stats.accepted_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -42,6 +42,45 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    """``response_format.json_schema``: OpenAI's name, schema and strict (always enforced here)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's ``response_format``: text, any JSON object, or JSON under a schema."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("json_schema: required when type is 'json_schema'")
+        return self
+
+
+class StructuredOutputs(BaseModel):
+    """speclm's extension for constraints OpenAI's format has no name for: a regex or a grammar
+    (Lark-style or GBNF), exactly one."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    regex: str | None = None
+    grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.regex is None) == (self.grammar is None):
+            raise ValueError("give exactly one of regex and grammar")
+        return self
+
+
 class _Request(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -63,6 +102,8 @@ class _Request(BaseModel):
     # extensions (as in vLLM): top-k filtering, and generating past EOS (for benchmarks)
     top_k: int = Field(0, ge=0)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # extension: a regex or a grammar
 
     @field_validator("n")
     @classmethod
@@ -99,7 +140,24 @@ class _Request(BaseModel):
         top_p = 1.0 if self.top_p is None else self.top_p
         return SamplingParams(temperature=temperature, top_k=self.top_k, top_p=top_p,
                               max_tokens=max_tokens, stop=list(self.stop or []), seed=self.seed,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, **self.constraint())
+
+    def constraint(self) -> dict[str, Any]:
+        """The structured-output fields of SamplingParams this request asks for."""
+        fmt, extra = self.response_format, self.structured_outputs
+        out: dict[str, Any] = {}
+        if fmt is not None and fmt.type == "json_object":
+            out["json_object"] = True
+        elif fmt is not None and fmt.type == "json_schema":
+            out["json_schema"] = fmt.json_schema.schema_
+        if extra is not None:
+            out.update({"regex": extra.regex} if extra.regex is not None else {"grammar": extra.grammar})
+        return out
+
+    @property
+    def constraint_param(self) -> str:
+        """The request field a bad constraint is reported under."""
+        return "structured_outputs" if self.structured_outputs is not None else "response_format"
 
     @property
     def include_usage(self) -> bool:
@@ -169,20 +227,12 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @field_validator("logprobs", "top_logprobs", "tools")
     @classmethod
     def _unsupported(cls, value):
         if value not in (None, False, 0, []):
             raise ValueError("not supported")
-        return value
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value):
-        if value is not None and value.get("type") != "text":
-            raise ValueError("only response_format {'type': 'text'} is supported")
         return value
 
     def chat_messages(self) -> list[dict[str, str]]:
@@ -259,7 +309,9 @@ def speculation(stats: RequestStats) -> dict:
             "backend": stats.backend, "drafted_tokens": stats.drafted_tokens,
             "accepted_tokens": stats.accepted_tokens, "target_forwards": stats.target_forwards,
             "alpha": round(stats.alpha, 4), "tau": round(stats.tau, 4),
-            "acceptance_by_position": [round(r, 4) for r in stats.acceptance_by_position]}
+            "acceptance_by_position": [round(r, 4) for r in stats.acceptance_by_position],
+            **({"forced_tokens": stats.forced_tokens, "forced_accepted": stats.forced_accepted,
+                "grammar_rejected_tokens": stats.grammar_rejected_tokens} if stats.constrained else {})}
 
 
 def completion_body(kind: str, rid: str, model: str, text: str, finish: str, stats: RequestStats) -> dict:
