@@ -14,17 +14,18 @@ interleaved request by request in a rotating order after a warm-up:
 - ``spec+schema``: speculative decoding (``--drafter``, default ``auto``) with the schema.
 
 Reported per temperature: validity (the output parses and validates against the schema, checked
-with the ``jsonschema`` package, independently of speclm's grammar engine), median tokens/s,
-the median per-request speedup of spec+schema over plain+schema and over unconstrained plain,
+with the ``jsonschema`` package, independently of speclm's grammar engine), median tokens/s
+(wall time, the prompt's prefill included) and median decode tokens/s (prefill excluded), the
+median per-request speedup of spec+schema over plain+schema (both ways) and over unconstrained plain,
 tau, forced and grammar-rejected draft tokens, and (greedy) whether spec+schema is token-identical
-to plain+schema.
+to plain+schema, each difference diagnosed as ``speclm bench`` does (a numerical near-tie of the
+kernels at the first differing token, or a bug).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ from pathlib import Path
 import jsonschema
 
 from speclm import LLM, SamplingParams
+from speclm.bench.report import environment
+from speclm.bench.runner import bench_prompt, diagnose_mismatch
 
 NAME = {"type": "string", "pattern": "^[A-Za-z][A-Za-z .'-]{0,23}$"}  # one to 24 plain characters
 # Every field is bounded in characters and kept to plain ASCII, so even a degenerate sample (a
@@ -80,13 +83,14 @@ def valid(text: str) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"))
-    ap.add_argument("--n", type=int, default=32)
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--temperatures", default="0,0.7")
-    ap.add_argument("--drafter", default="auto")
-    ap.add_argument("--backend", default="auto")
-    ap.add_argument("--model", default="default")
+    ap.add_argument("--prompts", help="Spec-Bench question.jsonl (its summarization contexts are the articles)",
+                    default=str(Path(__file__).resolve().parents[2] / "shared/data/spec_bench/question.jsonl"))
+    ap.add_argument("--n", type=int, default=32, help="requests (articles) per temperature")
+    ap.add_argument("--max-tokens", type=int, default=256, help="token budget per answer")
+    ap.add_argument("--temperatures", default="0,0.7", help="comma-separated; 0 is greedy")
+    ap.add_argument("--drafter", default="auto", help="the drafter of spec+schema, as --drafter of speclm generate")
+    ap.add_argument("--backend", default="auto", help="auto (llama.cpp for a GGUF when installed), torch or llamacpp")
+    ap.add_argument("--model", default="default", help="target model (default: SmolLM2-135M-Instruct)")
     ap.add_argument("--out", help="write the per-request rows and the summary here (JSON)")
     args = ap.parse_args()
 
@@ -96,7 +100,7 @@ def main() -> None:
     methods = {"plain": (plain, False), "plain+schema": (plain, True), "spec+schema": (spec, True)}
     warm = [{"role": "user", "content": INSTRUCTION + texts[0][:300]}]
     for llm, constrained in methods.values():
-        llm.chat(warm, SamplingParams(max_tokens=16, json_schema=SCHEMA if constrained else None))
+        ask(llm, warm, SamplingParams(max_tokens=16, json_schema=SCHEMA if constrained else None))
 
     rows = []
     for temperature in [float(t) for t in args.temperatures.split(",")]:
@@ -109,23 +113,47 @@ def main() -> None:
                 params = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, seed=i,
                                         json_schema=SCHEMA if constrained else None)
                 start = time.perf_counter()
-                result = llm.chat(messages, params)
+                result = ask(llm, messages, params)
                 seconds = time.perf_counter() - start
                 out, stats = result, result.stats
                 rows.append({"temperature": temperature, "request": i, "method": name,
                              "text": out.text, "token_ids": list(out.token_ids),
                              "tokens": len(out.token_ids), "seconds": seconds,
-                             "tok_s": len(out.token_ids) / seconds, "valid": valid(out.text),
+                             "tok_s": len(out.token_ids) / seconds, "prefill_s": stats.prefill_time_s,
+                             "decode_tok_s": len(out.token_ids) / max(stats.decode_time_s, 1e-9),
+                             "valid": valid(out.text),
                              "tau": stats.tau, "alpha": stats.alpha,
                              "drafter": (stats.drafter_report or {}).get("choice", stats.drafter),
                              "forced": stats.forced_tokens, "forced_accepted": stats.forced_accepted,
                              "grammar_rejected": stats.grammar_rejected_tokens})
             print(f"T={temperature} request {i + 1}/{len(texts)}", flush=True)
 
+    diagnose(plain, texts, rows)
     summary = summarize(rows)
-    print(json.dumps({"machine": platform.processor() or platform.machine(), **summary}, indent=1))
+    machine = environment()
+    print(json.dumps({"machine": machine, **summary}, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "summary": summary, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "machine": machine, "summary": summary,
+                                              "rows": rows}, indent=1))
+
+
+def ask(llm: LLM, messages: list[dict], params: SamplingParams):
+    """One request: through the chat template, or as plain text for a base model (as the bench)."""
+    prompt = bench_prompt(llm, messages)
+    return llm.chat(prompt, params) if isinstance(prompt, list) else llm.generate(prompt, params)[0]
+
+
+def diagnose(llm: LLM, texts: list[str], rows: list[dict]) -> None:
+    """Every greedy spec+schema output that differs from plain+schema gets the bench's verdict:
+    a numerical near-tie of the kernels at the first differing token, or a bug. The grammar does
+    not enter: both tokens there are allowed after the same prefix, and the mask leaves their
+    logits as they are."""
+    by = {(r["method"], r["request"]): r for r in rows if r["temperature"] == 0}
+    for i, text in enumerate(texts):
+        spec, ref = by.get(("spec+schema", i)), by.get(("plain+schema", i))
+        if spec and ref and spec["token_ids"] != ref["token_ids"]:
+            messages = [{"role": "user", "content": INSTRUCTION + text}]
+            spec["mismatch"] = diagnose_mismatch(llm, messages, ref["token_ids"], spec["token_ids"])
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -138,10 +166,13 @@ def summarize(rows: list[dict]) -> dict:
             rs = [by[m, i] for i in requests]
             t[m] = {"valid": f"{sum(r['valid'] for r in rs)}/{len(rs)}",
                     "median_tok_s": round(statistics.median(r["tok_s"] for r in rs), 1),
+                    "median_decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in rs), 1),
                     "tokens": sum(r["tokens"] for r in rs)}
         spec = [by["spec+schema", i] for i in requests]
         t["spec+schema"]["speedup_vs_plain+schema"] = round(statistics.median(
             by["spec+schema", i]["tok_s"] / by["plain+schema", i]["tok_s"] for i in requests), 3)
+        t["spec+schema"]["decode_speedup_vs_plain+schema"] = round(statistics.median(
+            by["spec+schema", i]["decode_tok_s"] / by["plain+schema", i]["decode_tok_s"] for i in requests), 3)
         t["spec+schema"]["speedup_vs_plain"] = round(statistics.median(
             by["spec+schema", i]["tok_s"] / by["plain", i]["tok_s"] for i in requests), 3)
         t["spec+schema"]["forced"] = sum(r["forced"] or 0 for r in spec)
@@ -152,6 +183,9 @@ def summarize(rows: list[dict]) -> dict:
         if temperature == 0:
             same = sum(by["spec+schema", i]["token_ids"] == by["plain+schema", i]["token_ids"] for i in requests)
             t["spec+schema"]["identical_to_plain+schema"] = f"{same}/{len(requests)}"
+            verdicts = [by["spec+schema", i].get("mismatch", {}).get("verdict", "") for i in requests]
+            t["spec+schema"]["near_ties"] = sum(v.startswith("numerical near-tie") for v in verdicts)
+            t["spec+schema"]["bugs"] = sum(v.startswith("BUG") for v in verdicts)
         out[f"T={temperature}"] = t
     return out
 

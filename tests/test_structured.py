@@ -340,3 +340,18 @@ def test_bad_schemas_and_grammars_are_one_line_errors(setup, fields, fragment):
         engine.add("r", torch.tensor([1, 2]), params)
     with pytest.raises(SpeclmError, match="tokenizer"):
         Engine(make_rows(lm, 1)).add("r", torch.tensor([1, 2]), SamplingParams(regex="a+"))
+
+
+def test_a_drafter_hears_only_of_its_own_accepted_tokens():
+    """A chain cut by the grammar and extended by forced tokens: acceptance past the cut is the
+    grammar's tokens', not the drafter's, so a draft model keeps only its tokens before it."""
+    from types import SimpleNamespace
+
+    from speclm.structured.drafts import GrammarRound, drafter_accepted
+
+    cut = SimpleNamespace(round=GrammarRound(forced_start=2, forced=3, rejected=1))
+    assert drafter_accepted(cut, 4) == 2
+    assert drafter_accepted(cut, 1) == 1
+    whole = SimpleNamespace(round=GrammarRound(forced_start=0, forced=0, rejected=0))
+    assert drafter_accepted(whole, 4) == 4
+    assert drafter_accepted(None, 3) == 3

@@ -49,7 +49,7 @@ from .sampling import SamplingParams
 from .sequence import Sequence
 from .stats import RequestStats
 from .structured.compiler import GrammarCompiler, request_matcher
-from .structured.drafts import commit_round, draft_masks, guided_draft
+from .structured.drafts import commit_round, draft_masks, drafter_accepted, guided_draft
 from .verifier import verify
 
 
@@ -357,7 +357,7 @@ class Engine:
             seq.prefilled = seq.n + num_accepted
             _features(out, seq, b, [0] + [i + 1 for i in path])
             if proposals[b][1]:
-                seq.drafter.on_verified(num_accepted, emitted)
+                seq.drafter.on_verified(drafter_accepted(seq.grammar, num_accepted), emitted)
             if topks[b] is not None:
                 seq.drafter.on_target_topk(fed[b, : ks[b] + 1], topks[b])
             outputs.append((seq, draft, num_accepted, emitted))

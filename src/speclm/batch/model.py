@@ -12,6 +12,7 @@ import torch
 from ..errors import SpeclmError
 from ..models.base import ForwardOutput
 from ..models.hf import HFCausalLM
+from ..models.hf_kwargs import cache_kwarg
 from ..tree import TreeMeta
 from .cache import BatchKVCache
 
@@ -76,7 +77,7 @@ class BatchModel:
             input_ids=token_ids.to(self.device),
             attention_mask=mask,
             position_ids=positions.to(self.device),
-            past_key_values=self.cache,
+            **{cache_kwarg(self.model): self.cache},
             use_cache=True,
             logits_to_keep=num_logits,
             output_hidden_states=bool(return_hidden) if layers is None else layers,

@@ -16,7 +16,7 @@ METHOD_HELP = ("Method specs: plain | any drafter with its options plus k= (the 
                "per round) and adaptive= (default 1: K per round from the live acceptance and the "
                "measured cost model; 0: always k) "
                "(ngram[:k=10,min=2,max=3] | suffix | recycle | layerskip[:skip=..] | early-exit[:layers=N] "
-               "| draft:path=PATH[,k=5,p_min=0] | distilled | medusa:path=DIR | eagle:path=DIR | auto; "
+               "| draft:path=PATH[,k=5,p_min=0] | distilled | quant[:bits=4] | medusa:path=DIR | eagle:path=DIR | auto; "
                "see `speclm generate --help`) | oracle:a=0.7[,k=4] | hf | hf-lookup[:k=10] | "
                "hf-assisted:path=PATH[,k=5] | hf-early-exit[:layers=N,k=5] | llamacpp | llamacpp-lookup[:k=10,ngram=2]. "
                "speclm methods take engine options too: backend=torch|llamacpp, compile=1, quantize=int8|int4, "

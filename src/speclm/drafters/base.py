@@ -96,7 +96,9 @@ class Drafter(Protocol):
     def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
         """Called after each round in which ``propose`` was called: the draft's first
         ``num_accepted`` tokens were accepted; ``emitted`` are the tokens committed this round
-        (accepted ones, then the recovered or bonus token)."""
+        (accepted ones, then the recovered or bonus token). Under a grammar that replaced the
+        draft's tail by forced tokens, ``num_accepted`` counts the drafter's own tokens only and
+        ``emitted`` may hold more than ``num_accepted + 1`` tokens (the accepted forced ones)."""
 
 
 def wanted_target_topk(drafter: object | None) -> int:

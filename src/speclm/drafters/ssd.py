@@ -179,10 +179,11 @@ class AsyncDraftModelDrafter(DraftModelDrafter):
             return
         trials = num_accepted + (1 if num_accepted < speculation.trunk_len else 0)
         self.alpha = 0.9 * self.alpha + 0.1 * num_accepted / max(1, trials)  # per-token acceptance
-        outcome = (num_accepted, emitted[-1])
+        outcome = (num_accepted, emitted[num_accepted])
         self.rounds += 1
         self.rounds_at[min(num_accepted, 63)] += 1
-        branch = speculation.branches.get(outcome)
+        # more tokens committed than the outcome (a grammar's forced tail): no branch drafted for that
+        branch = speculation.branches.get(outcome) if len(emitted) == num_accepted + 1 else None
         n = speculation.start
         if branch is None:  # miss: keep the accepted trunk tokens, draft normally next round
             self.model.compact(n, list(range(min(num_accepted, speculation.trunk_len))))

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.hf_kwargs import cache_kwarg
+
 
 def _draft_head(target_head: nn.Module, draft_to_target: torch.Tensor) -> nn.Linear:
     """A linear layer over the draft vocabulary, initialised from the target's LM head rows."""
@@ -147,8 +149,8 @@ class EagleHead(nn.Module):
         """
         x = self.fc_in(torch.cat([embedded, feature], dim=-1))
         rope = self.rotary(x, position_ids=positions)
-        return self.layer(x, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                          use_cache=cache is not None, position_embeddings=rope)
+        return self.layer(x, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
+                          position_embeddings=rope, **{cache_kwarg(self.layer): cache})
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., N] over the draft vocabulary."""

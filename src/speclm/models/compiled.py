@@ -42,6 +42,7 @@ import torch
 from ..errors import SpeclmError
 from ..tree import TreeMeta
 from .base import ForwardOutput
+from .hf_kwargs import cache_kwarg
 from .kv_cache import check_forward
 from .static_cache import StaticKVCache, capacity_buckets
 
@@ -80,11 +81,12 @@ class _Step:
     def __init__(self, model: torch.nn.Module, mode: str | None, backend: str = "inductor",
                  freeze: bool = False) -> None:
         self.model = model
+        cache_kw = cache_kwarg(model)
 
         def step(cache: StaticKVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  mask: torch.Tensor) -> torch.Tensor:
             out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                        past_key_values=cache, use_cache=True)
+                        use_cache=True, **{cache_kw: cache})
             logits = out.logits[0]  # [T, V]
             return logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (or 64)
 
@@ -272,7 +274,7 @@ class CompiledCausalLM:
             want = max(0, num_logits - (num_new - lo - n))  # logits rows of this chunk
             out = self.model(input_ids=token_ids[lo : lo + n].to(self.device).view(1, n),
                              attention_mask=mask, position_ids=positions.to(self.device).view(1, n),
-                             past_key_values=self._cache, use_cache=True, logits_to_keep=max(want, 1),
+                             use_cache=True, logits_to_keep=max(want, 1), **{cache_kwarg(self.model): self._cache},
                              output_hidden_states=bool(return_hidden) if layers is None else layers)
             self._cache.length += n
             if want:

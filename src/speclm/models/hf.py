@@ -15,6 +15,7 @@ from transformers import DynamicCache, PreTrainedModel
 from ..errors import SpeclmError
 from ..tree import TreeMeta
 from .base import ForwardOutput
+from .hf_kwargs import cache_kwarg
 from .kv_cache import KVCache, check_forward, supports_trees
 
 
@@ -87,7 +88,7 @@ class HFCausalLM:
         out = self.model(
             input_ids=token_ids.to(self.device).view(1, num_new),  # [1, T]
             attention_mask=mask,
-            past_key_values=self._cache.hf,
+            **{cache_kwarg(self.model): self._cache.hf},
             use_cache=True,
             cache_position=slots,
             position_ids=positions.view(1, num_new),

@@ -30,6 +30,7 @@ from transformers.cache_utils import Cache
 
 from ..errors import CacheContractError, SpeclmError
 from .hf import HFCausalLM
+from .hf_kwargs import cache_kwarg
 
 
 class _SkippedLayer(nn.Module):
@@ -134,7 +135,7 @@ class LayerSubset:
         with skipping(self.target.model, self.skip):
             out = self.target.model(
                 input_ids=token_ids.to(device).view(1, num_new),  # [1, T]
-                past_key_values=view, use_cache=True, cache_position=positions,
+                use_cache=True, cache_position=positions, **{cache_kwarg(self.target.model): view},
                 position_ids=positions.view(1, num_new), logits_to_keep=num_logits,
             )
         self.appended += num_new

@@ -79,6 +79,16 @@ def guided_draft(matcher: GrammarMatcher, propose: Callable[[], tuple[Draft, boo
     return Draft(out, q), asked
 
 
+def drafter_accepted(matcher: GrammarMatcher | None, num_accepted: int) -> int:
+    """How many of the drafter's own tokens the round accepted. Where the grammar cut the
+    drafter's chain and extended it by forced tokens, the draft past the cut is not the
+    drafter's: a stateful drafter (a draft model's cache) must keep only its tokens before it."""
+    r = matcher.round if matcher is not None else None
+    if r is None or not r.forced:
+        return num_accepted
+    return min(num_accepted, r.forced_start)
+
+
 def draft_masks(matcher: GrammarMatcher, draft: Draft) -> torch.Tensor:
     """[k + 1, V] bool: row 0 the tokens allowed after the committed output, row i + 1 those
     allowed after draft node i (a chain: after its first i + 1 tokens)."""
