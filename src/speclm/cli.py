@@ -199,13 +199,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if args.file and args.prompt:
         raise SpeclmError("give the prompt as an argument or with --file, not both")
     if args.file:
-        try:
-            with open(args.file, encoding="utf-8") as fh:
-                text = fh.read()
-        except OSError as exc:
-            raise SpeclmError(f"cannot read prompt file {args.file!r}: {exc.strerror}") from None
-        except UnicodeDecodeError:
-            raise SpeclmError(f"prompt file {args.file!r} is not UTF-8 text") from None
+        text = _read_text(args.file, "prompt")
     elif args.prompt is None or args.prompt == "-":
         if sys.stdin is None or sys.stdin.isatty():
             raise SpeclmError("no prompt: give one as an argument, with --file, or on stdin")

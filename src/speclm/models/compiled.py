@@ -42,6 +42,7 @@ import torch
 from ..errors import SpeclmError
 from ..tree import TreeMeta
 from .base import ForwardOutput
+from .dtypes import cast_keeping_rotary
 from .hf_kwargs import cache_kwarg
 from .kv_cache import check_forward
 from .static_cache import StaticKVCache, capacity_buckets
@@ -310,19 +311,6 @@ class CompiledCausalLM:
         return time.perf_counter() - t0
 
 
-def _cast_keeping_rotary(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """``model.to(dtype)``, but the rotary embedding's frequencies (``inv_freq``, non-persistent
-    float32 buffers that transformers itself keeps in float32 when loading in bfloat16) stay
-    float32: cast to bfloat16 they shift every position's phase and the model loses the plot
-    of long prompts."""
-    saved = {name: buf.detach().clone() for name, buf in model.named_buffers() if "inv_freq" in name}
-    model = model.to(dtype)
-    for name, buf in saved.items():
-        owner, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(owner) if owner else model, leaf, buf)
-    return model
-
-
 def make_compiled(
     hf_model: torch.nn.Module,
     eos_token_ids: frozenset[int],
@@ -355,7 +343,7 @@ def make_compiled(
     if (dtype is not None and dtype != current) or quantize:
         model = hf_model if inplace else copy.deepcopy(hf_model)
         if dtype is not None and dtype != current:
-            model = _cast_keeping_rotary(model, dtype)
+            model = cast_keeping_rotary(model, dtype)
     if quantize:
         quantize_weights(model, quantize)
     return CompiledCausalLM(model.eval(), eos_token_ids, buckets=buckets, capacities=capacities,

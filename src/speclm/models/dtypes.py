@@ -27,3 +27,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         raise SpeclmError(
             f"unknown dtype {dtype!r}; use float32, bfloat16, float16, float64 or auto"
         ) from None
+
+
+def cast_keeping_rotary(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(dtype)``, but the rotary embedding's frequencies (``inv_freq``, non-persistent
+    float32 buffers that transformers itself keeps in float32 when loading in bfloat16) stay
+    float32: cast to bfloat16 they shift every position's phase and the model loses the plot
+    of long prompts."""
+    saved = {name: buf.detach().clone() for name, buf in model.named_buffers() if "inv_freq" in name}
+    model = model.to(dtype)
+    for name, buf in saved.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner) if owner else model, leaf, buf)
+    return model

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import SpeclmError
+from .dtypes import cast_keeping_rotary
 
 SCHEMES = ("int8", "int4")
 
@@ -168,11 +169,6 @@ def quantized_copy(model: nn.Module, scheme: str, dtype: torch.dtype | None = No
         # the module tree is new, every parameter memoized as itself: the tensors are shared
         clone = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
     else:  # casting shared parameters would cast the target's own (``Module.to`` sets .data)
-        clone = copy.deepcopy(model)
-        rotary = {n: b.detach().clone() for n, b in clone.named_buffers() if "inv_freq" in n}
-        clone = clone.to(dtype)
-        for name, buf in rotary.items():
-            owner, _, leaf = name.rpartition(".")
-            setattr(clone.get_submodule(owner) if owner else clone, leaf, buf)
+        clone = cast_keeping_rotary(copy.deepcopy(model), dtype)
     quantize_weights(clone, scheme)
     return clone.eval()

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 from llguidance import LLMatcher
-from llguidance.torch import fill_next_token_bitmask
 
 _BITS = (torch.ones(32, dtype=torch.int64) << torch.arange(32)).to(torch.int32)  # [32]: 1 << j
 
@@ -54,18 +53,18 @@ class GrammarMatcher:
         return torch.zeros(rows, self.num_words, dtype=torch.int32)
 
     def fill(self, words: torch.Tensor, row: int) -> None:
-        """Write the tokens the grammar allows next into ``words[row]`` (a bitmask)."""
-        fill_next_token_bitmask(self._m, words, row)
+        """Write the tokens the grammar allows next into ``words[row]`` (a bitmask). ``words``
+        comes from :meth:`buffer` (host, int32, contiguous). Called through the matcher itself,
+        not ``llguidance.torch``, whose import runs ``torch.compile`` (and loads inductor) on
+        every ``import speclm``."""
+        line = words[row]
+        self._m.unsafe_compute_mask_ptr(line.data_ptr(), line.numel() * line.element_size())
 
     def allowed(self) -> torch.Tensor:
         """[V] bool: the tokens the grammar allows next."""
         words = self.buffer(1)
         self.fill(words, 0)
         return unpack(words, self.vocab_size)[0]
-
-    def valid_prefix(self, tokens: list[int]) -> int:
-        """How many of ``tokens``, in order, the grammar allows from here."""
-        return self._m.validate_tokens(tokens) if tokens else 0
 
     def forced(self, limit: int) -> list[int]:
         """Up to ``limit`` tokens the grammar forces from here (its fast-forward tokens: the
