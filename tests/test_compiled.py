@@ -201,10 +201,10 @@ def test_quantized_linear_layers(dtype):
     x = torch.randn(5, 256, dtype=dtype)
     with torch.no_grad():
         ref = linear(x).float()
-        for cls, tol in ((Int8Linear, 0.01), (Int4Linear, 0.08)):  # int4: ~range / 15 per weight
-            out = cls(linear)(x)
+        for make, tol in ((Int8Linear, 0.01), (Int4Linear.from_linear, 0.08)):  # int4: ~range / 15
+            out = make(linear)(x)
             assert out.dtype == dtype and out.shape == (5, 300)
-            assert float((out.float() - ref).norm() / ref.norm()) < tol, cls.__name__
+            assert float((out.float() - ref).norm() / ref.norm()) < tol, make
 
 
 def test_bfloat16_step_keeps_float32_logits(target32):

@@ -107,7 +107,9 @@ class LLM:
             says which one ran.
         compile: the torch fast path: a static KV cache and ``torch.compile``d decode and
             verify steps (bfloat16 where the hardware has it, unless ``dtype`` says otherwise).
-        quantize: ``"int8"`` or ``"int4"`` weight-only quantization on the torch fast path.
+        quantize: ``"int8"`` or ``"int4"`` weight-only quantization on the torch fast path, or
+            ``"gguf"``: a GGUF model's own Q4_0/Q4_1 blocks run as they are stored (no second
+            rounding; models/gguf_int4.py).
     """
 
     def __init__(

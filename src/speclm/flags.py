@@ -39,8 +39,13 @@ def add_backend_flags(g: argparse._ArgumentGroup) -> None:
                    help="torch fast path: static KV cache, torch.compile'd decode/verify steps, "
                         "bfloat16 where the hardware has it unless --dtype says otherwise; the "
                         "first request pays the compile (one time)")
-    g.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                   help="weight-only quantization of the linear layers on the torch fast path")
+    # models/quantize.py CHOICES, spelled out: importing the models here would load transformers
+    g.add_argument("--quantize", choices=["int8", "int4", "gguf"], default=None,
+                   help="weight-only quantized linear layers on the torch fast path: int8 or int4 "
+                        "round the float weights (int4 in groups of up to 128); gguf runs a GGUF "
+                        "model's own Q4_0/Q4_1/Q8_0 blocks as the file stores them (groups of 32, "
+                        "the file's scales and minimums; no second rounding), other layers in the "
+                        "compute dtype")
     g.add_argument("--verbose", "-v", action="store_true",
                    help="show llama.cpp's own loader and context logs (silent otherwise) and the "
                         "measured cost model (verify cost per tokens fed) that the draft length uses")

@@ -19,7 +19,7 @@ METHOD_HELP = ("Method specs: plain | any drafter with its options plus k= (the 
                "| draft:path=PATH[,k=5,p_min=0] | distilled | quant[:bits=4] | medusa:path=DIR | eagle:path=DIR | auto; "
                "see `speclm generate --help`) | oracle:a=0.7[,k=4] | hf | hf-lookup[:k=10] | "
                "hf-assisted:path=PATH[,k=5] | hf-early-exit[:layers=N,k=5] | llamacpp | llamacpp-lookup[:k=10,ngram=2]. "
-               "speclm methods take engine options too: backend=torch|llamacpp, compile=1, quantize=int8|int4, "
+               "speclm methods take engine options too: backend=torch|llamacpp, compile=1, quantize=int8|int4|gguf, "
                "dtype=... (one run compares backends; a method's own compile/quantize/dtype run it on torch "
                "whatever --backend says). Models: 'default', an HF "
                "folder, a .gguf file, or random:PRESET / random:CONFIG.json (random weights, for oracle "

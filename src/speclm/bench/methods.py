@@ -16,7 +16,7 @@
     llamacpp-lookup[:k=10,ngram=2]   llama-cpp-python's own prompt lookup (LlamaPromptLookupDecoding)
 
 plain, the drafters and oracle also take engine options, so one run compares backends:
-backend=torch|llamacpp|auto, compile=1, quantize=int8|int4, dtype=bfloat16 (default: the
+backend=torch|llamacpp|auto, compile=1, quantize=int8|int4|gguf, dtype=bfloat16 (default: the
 command's --backend/--compile/--quantize/--dtype).
 """
 
@@ -120,8 +120,10 @@ def parse_method(text: str) -> MethodSpec:
             raise SpeclmError(f"method spec {text!r}: {exc}") from None
     if options.get("backend") not in (None, "auto", "torch", "llamacpp"):
         raise SpeclmError(f"method spec {text!r}: backend must be auto, torch or llamacpp")
-    if options.get("quantize") not in (None, "int8", "int4"):
-        raise SpeclmError(f"method spec {text!r}: quantize must be int8 or int4")
+    from ..models.quantize import CHOICES
+
+    if options.get("quantize") not in (None, *CHOICES):
+        raise SpeclmError(f"method spec {text!r}: quantize must be one of {', '.join(CHOICES)}")
     if name == "llamacpp-lookup" and options["ngram"] < 1:
         raise SpeclmError(f"method spec {text!r}: ngram must be >= 1")
     if name == "hf-assisted" and options["path"] != "default" and not Path(options["path"]).expanduser().exists():

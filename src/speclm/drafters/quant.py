@@ -9,7 +9,9 @@ What the draft is, by the target's backend:
 
 * eager torch: a copy of the target whose ``nn.Linear`` layers are weight-only int8 or int4
   (models/quantize.py ``quantized_copy``; embeddings, norms and rotary tables are the target's
-  own tensors), run eagerly;
+  own tensors), run eagerly. With bits=4, a target loaded from a GGUF file that stores 4-bit
+  blocks drafts with those blocks (models/gguf_int4.py): the draft then computes the target's
+  own weights, on int4 kernels, and agrees with it on nearly every token;
 * the compiled torch path: the same copy of the compiled target's model (its dtype, e.g.
   bfloat16), compiled over its own static cache with the target's token and cache buckets;
 * llama.cpp: a requantized copy of the target's GGUF file (models/requantize.py, made once and
@@ -30,6 +32,11 @@ from ..models.base import CausalLM
 TORCH_BITS = {4: "int4", 8: "int8"}  # bits -> models/quantize.py scheme
 GGUF_BITS = {2: "q2_k", 3: "q3_k_s", 4: "q4_0", 8: "q8_0"}  # bits -> models/requantize.py type
 ALL_BITS = sorted(set(TORCH_BITS) | set(GGUF_BITS))
+# A chain's draft step feeds one token, and its catch-up after a verified round the accepted
+# tokens plus the bonus: up to K + 1. A draft that agrees with the target (the file's own
+# blocks) reaches large K, so its steps are compiled up front for feeds of up to 16 tokens
+# (buckets 1, 4, 8, 16), not in the middle of a request (~30 s a graph on 2 cores).
+WARM_TOKENS = 15
 
 
 def check_bits(bits: int) -> None:
@@ -70,9 +77,15 @@ def quant_draft(target, bits: int, progress: bool = True, fast: bool = False) ->
         raise SpeclmError(f"quant: the target is already {quantized}-quantized (--quantize); the "
                           "quantized self-draft needs a full-precision target (drop --quantize)")
     scheme = TORCH_BITS[bits]
+    gguf = getattr(target, "source_gguf", None)
+    if scheme == "int4" and gguf is not None:
+        from ..models.gguf_int4 import stores_4bit
+
+        if stores_4bit(gguf):  # the file's own 4-bit blocks: the target's weights, on int4 kernels
+            scheme = "gguf"
     if fast:
-        return f"quant:{scheme}:fast", lambda: _fast_draft(target, scheme)
-    return f"quant:{scheme}", lambda: _torch_draft(target, scheme, compiled=kind == "compiled")
+        return f"quant:{scheme}:fast", lambda: _fast_draft(target, scheme, gguf)
+    return f"quant:{scheme}", lambda: _torch_draft(target, scheme, gguf, compiled=kind == "compiled")
 
 
 def _gguf_draft(target, type_name: str, progress: bool) -> CausalLM:
@@ -85,10 +98,10 @@ def _gguf_draft(target, type_name: str, progress: bool) -> CausalLM:
                       max_context=target.max_context)
 
 
-def _torch_draft(target, scheme: str, compiled: bool) -> CausalLM:
+def _torch_draft(target, scheme: str, gguf, compiled: bool) -> CausalLM:
     from ..models.quantize import quantized_copy
 
-    model = quantized_copy(target.model, scheme)
+    model = quantized_copy(target.model, scheme, gguf=gguf)
     if not compiled:
         from ..models.hf import HFCausalLM
 
@@ -98,16 +111,16 @@ def _torch_draft(target, scheme: str, compiled: bool) -> CausalLM:
     draft = CompiledCausalLM(model, target.eos_token_ids, buckets=target.buckets,
                              capacities=target.capacities, quantize=scheme,
                              compile_backend=target.compile_backend)
-    draft.warmup(1)  # a chain feeds one or two tokens a call: compile those steps now
+    draft.warmup(WARM_TOKENS)
     return draft
 
 
-def _fast_draft(target, scheme: str) -> CausalLM:
+def _fast_draft(target, scheme: str, gguf) -> CausalLM:
     """An eager target's draft on the compiled path, in the fast dtype (it owns its tensors)."""
     from ..models.compiled import CompiledCausalLM, fast_dtype
     from ..models.quantize import quantized_copy
 
-    model = quantized_copy(target.model, scheme, dtype=fast_dtype(target.device))
+    model = quantized_copy(target.model, scheme, dtype=fast_dtype(target.device), gguf=gguf)
     draft = CompiledCausalLM(model, target.eos_token_ids, quantize=scheme)
-    draft.warmup(1)
+    draft.warmup(WARM_TOKENS)
     return draft

@@ -36,6 +36,7 @@ import copy
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -106,6 +107,8 @@ class CompiledCausalLM:
     """A transformers causal LM, compiled, behind the :class:`~speclm.models.base.CausalLM`
     interface. Build it with :func:`make_compiled`."""
 
+    source_gguf = None  # the GGUF file the weights were dequantized from, if any (set by load_model)
+
     supports_trees = True
 
     def __init__(self, model: torch.nn.Module, eos_token_ids: frozenset[int], *,
@@ -168,9 +171,11 @@ class CompiledCausalLM:
 
     def fork(self) -> CompiledCausalLM:
         """A second handle on the same weights and compiled step, with its own cache."""
-        return CompiledCausalLM(self.model, self.eos_token_ids, buckets=self.buckets,
+        twin = CompiledCausalLM(self.model, self.eos_token_ids, buckets=self.buckets,
                                 capacities=self.capacities, quantize=self.quantize,
                                 compile_backend=self.compile_backend, _step=self._step)
+        twin.source_gguf = self.source_gguf
+        return twin
 
     def bucket(self, num_tokens: int) -> int | None:
         """The padded token count a forward of ``num_tokens`` runs at (None: eager)."""
@@ -321,12 +326,15 @@ def make_compiled(
     capacities: Sequence[int] | None = None,
     inplace: bool = False,
     compile_backend: str = "inductor",
+    gguf: str | Path | None = None,
 ) -> CompiledCausalLM:
     """A :class:`CompiledCausalLM` over ``hf_model``.
 
     ``dtype``: the compute dtype; ``"auto"`` picks :func:`fast_dtype` (bfloat16 where the hardware
     has it); None keeps the model's own. ``quantize``: None, ``"int8"`` or ``"int4"`` (weight-only,
-    models/quantize.py). When the dtype changes or weights are quantized, the model is copied first
+    models/quantize.py) or ``"gguf"``: the linear layers that the GGUF file ``gguf`` (which
+    ``hf_model`` was loaded from) stores as Q4_0/Q4_1/Q8_0 run its own blocks on int4 kernels
+    (models/gguf_int4.py). When the dtype changes or weights are quantized, the model is copied first
     (the caller's eager model stays the reference) unless ``inplace``.
     Compiling happens lazily on first use of each shape, or up front with ``warmup``.
     ``compile_backend``: torch.compile's backend ("inductor"; "aot_eager" for quick tests).
@@ -345,6 +353,6 @@ def make_compiled(
         if dtype is not None and dtype != current:
             model = cast_keeping_rotary(model, dtype)
     if quantize:
-        quantize_weights(model, quantize)
+        quantize_weights(model, quantize, gguf=gguf)
     return CompiledCausalLM(model.eval(), eos_token_ids, buckets=buckets, capacities=capacities,
                             quantize=quantize, compile_backend=compile_backend)

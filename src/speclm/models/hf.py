@@ -22,6 +22,8 @@ from .kv_cache import KVCache, check_forward, supports_trees
 class HFCausalLM:
     """A transformers causal LM behind the :class:`~speclm.models.base.CausalLM` interface."""
 
+    source_gguf = None  # the GGUF file the weights were dequantized from, if any (set by load_model)
+
     backend_name = "torch"
 
     def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
@@ -111,4 +113,6 @@ class HFCausalLM:
         self._cache.reset()
 
     def fork(self) -> HFCausalLM:
-        return HFCausalLM(self.model, self.eos_token_ids)
+        twin = HFCausalLM(self.model, self.eos_token_ids)
+        twin.source_gguf = self.source_gguf
+        return twin

@@ -200,7 +200,8 @@ def load_model(
 
     ``backend``: ``torch`` (transformers, eager unless ``compile``), ``llamacpp`` (a GGUF file
     through llama.cpp) or ``auto`` (see :func:`choose_backend`). ``compile`` and ``quantize``
-    (``int8``/``int4`` weight-only) select the torch backend's fast path (models/compiled.py).
+    (``int8``/``int4`` weight-only, or ``gguf``: a GGUF file's own Q4_0/Q4_1 blocks) select the
+    torch backend's fast path (models/compiled.py).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -208,6 +209,9 @@ def load_model(
     dtype_given = dtype is not None and dtype != "auto"
     fast = bool(compile or quantize)
     if is_random(model):
+        if quantize == "gguf":
+            raise SpeclmError("--quantize gguf keeps a GGUF file's own 4-bit blocks; a random model "
+                              "has none (use int4 or int8)")
         if choose_backend(backend, None, dev, dtype_given=dtype_given, fast=fast) != "torch":
             raise SpeclmError("random models run on the torch backend only")
         loaded = _load_random(model, dev, resolve_dtype(dtype, dev))
@@ -238,10 +242,13 @@ def load_model(
             hf_logging.enable_progress_bar()
     hf_model.to(dev)
     loaded = LoadedModel(_backend(hf_model, tokenizer), tokenizer, model or DEFAULT_MODEL, path)
-    return _fast(loaded, dtype, compile, quantize) if fast else loaded
+    loaded = _fast(loaded, dtype, compile, quantize, gguf) if fast else loaded
+    loaded.backend.source_gguf = gguf  # the file the weights came from (the quantized self-draft)
+    return loaded
 
 
-def _fast(loaded: LoadedModel, dtype, compile: bool, quantize: str | None) -> LoadedModel:
+def _fast(loaded: LoadedModel, dtype, compile: bool, quantize: str | None,
+          gguf: Path | None = None) -> LoadedModel:
     """The torch fast path over the eager backend's weights (models/compiled.py): a static KV
     cache and compiled steps, in bfloat16 where the hardware has it unless ``dtype`` is given;
     ``quantize`` implies it."""
@@ -250,7 +257,7 @@ def _fast(loaded: LoadedModel, dtype, compile: bool, quantize: str | None) -> Lo
     eager = loaded.backend
     want = "auto" if dtype is None or dtype == "auto" else resolve_dtype(dtype, eager.device)
     loaded.backend = make_compiled(eager.model, eager.eos_token_ids, dtype=want, quantize=quantize,
-                                   inplace=True)
+                                   inplace=True, gguf=gguf)
     return loaded
 
 

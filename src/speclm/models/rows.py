@@ -94,6 +94,7 @@ class SlotRows:
             raise SpeclmError(f"max batch must be >= 1, got {num_slots}")
         self.target = target
         self.backend_name = getattr(target, "backend_name", "torch")
+        self.source_gguf = getattr(target, "source_gguf", None)
         self.vocab_size = target.vocab_size
         self.max_context = target.max_context
         self.device = target.device
@@ -235,6 +236,7 @@ class TargetView:
         self.eos_token_ids = target.eos_token_ids
         self.num_layers = getattr(target, "num_layers", 0)
         self.backend_name = getattr(target, "backend_name", "torch")
+        self.source_gguf = getattr(target, "source_gguf", None)
 
 
 def make_rows(target: CausalLM, max_batch: int, *, needs_layers: bool = False,

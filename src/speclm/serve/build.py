@@ -55,8 +55,10 @@ class ServeOptions:
             parse_drafter(_drafter_text(self))
         if self.backend not in ("auto", "torch", "llamacpp"):
             raise SpeclmError(f"--backend must be auto, torch or llamacpp, got {self.backend!r}")
-        if self.quantize not in (None, "int8", "int4"):
-            raise SpeclmError(f"--quantize must be int8 or int4, got {self.quantize!r}")
+        from ..models.quantize import CHOICES
+
+        if self.quantize not in (None, *CHOICES):
+            raise SpeclmError(f"--quantize must be one of {', '.join(CHOICES)}, got {self.quantize!r}")
         if self.speculative and self.async_draft and self.max_batch > 1:
             # a worker thread drafts the next round while the target verifies: it uses cores that
             # a batched step's forward already keeps busy, so in a batch it only adds contention

@@ -1,0 +1,136 @@
+"""A GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks on the int4 kernels (models/gguf_int4.py).
+
+The layers must compute exactly the weights the file stores: the packed int4 layout, read back
+through PyTorch's own kernel in float32, equals gguf-py's dequantization bit for bit, for
+synthetic blocks of each type (rows reordered as a loader may reorder them) and for the default
+model's real file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from speclm.errors import SpeclmError
+from speclm.models.gguf_int4 import SplitQ8Linear, _from_blocks, decode_q4, decode_q8, keep_gguf_int4
+from speclm.models.quantize import Int4Linear
+
+TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def _blocks(type_name: str, rows: int = 48, cols: int = 96, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Raw quantized rows [rows, bytes] of a random weight, and gguf-py's dequantization."""
+    rng = np.random.default_rng(seed)
+    weight = (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 2, (rows, 1))).astype(np.float32)
+    weight[3, :32] = 0.0  # a constant block: scale 0
+    weight[5] += 1.5  # an offset row: Q4_1's minimum far from zero
+    qtype = GGMLQuantizationType[type_name]
+    raw = quantize(weight, qtype)
+    return raw, dequantize(raw, qtype).reshape(rows, cols)
+
+
+def _dense(layer: torch.nn.Module) -> torch.Tensor:
+    """The [N, K] weight a layer computes, read through the int4 kernel in float32."""
+    if isinstance(layer, SplitQ8Linear):
+        return _dense(layer.high) + _dense(layer.low)
+    eye = torch.eye(layer.in_features)
+    cols = torch._weight_int4pack_mm_for_cpu(eye, layer.weight_int4, layer.group_size, layer.scales_and_zeros)
+    return cols.T[: layer.out_features]
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_decode_matches_gguf_py(type_name):
+    raw, expected = _blocks(type_name)
+    if type_name == "Q8_0":
+        codes, scale = decode_q8(raw)
+        got = (codes.reshape(48, -1, 32) * scale[..., None]).reshape(48, 96)
+        assert codes.dtype == np.int8
+    else:
+        codes, scale, minimum = decode_q4(raw, type_name)
+        assert codes.min() >= 0 and codes.max() <= 15
+        grouped = codes.reshape(48, -1, 32).astype(np.float32)
+        got = (grouped * scale[..., None] + minimum[..., None]).reshape(48, 96)
+    np.testing.assert_allclose(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_layer_computes_the_files_weights_exactly(type_name):
+    raw, dequantized = _blocks(type_name, seed=1)
+    order = np.random.default_rng(2).permutation(48)  # the loader reordered the rows
+    weight = torch.from_numpy(dequantized[order].copy())
+    bias = torch.randn(48)
+    layer = _from_blocks(raw, type_name, weight, bias)
+    assert isinstance(layer, SplitQ8Linear if type_name == "Q8_0" else Int4Linear)
+    assert layer.in_features == 96 and layer.out_features == 48
+    assert torch.equal(_dense(layer), weight)  # bit for bit, after the row reordering
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(layer(x), x @ weight.T + bias, rtol=1e-5, atol=1e-5)
+
+
+def test_foreign_weights_are_refused():
+    raw, dequantized = _blocks("Q4_1", seed=3)
+    weight = torch.from_numpy(dequantized.copy())
+    weight[7, 11] += 1e-3  # one value that the file does not hold
+    assert _from_blocks(raw, "Q4_1", weight, None) is None
+    assert _from_blocks(raw, "Q4_1", weight[:, :64].contiguous(), None) is None  # wrong shape
+
+
+@pytest.mark.real_model
+def test_default_model_runs_its_own_blocks():
+    from speclm.models import load_model
+    from speclm.models.loading import find_gguf
+
+    loaded = load_model("default", backend="torch")  # float32, dequantized from the file
+    model = loaded.backend.model
+    reference = {n: m.weight.detach().clone() for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear)}
+    ids = torch.tensor([[1, 504, 3458, 314, 260, 1345, 30, 198]])
+    with torch.inference_mode():
+        before = model(ids).logits[0]
+    kept = keep_gguf_int4(model, find_gguf("default"))
+    assert len(kept.int4) == len(reference) and not kept.dense  # Q4_1 layers, the Q8_0 head
+    assert kept.int4["lm_head"] == "Q8_0" and set(kept.int4.values()) == {"Q4_1", "Q8_0"}
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+                 "model.layers.29.mlp.down_proj"):  # q and k are the rows transformers reorders
+        assert torch.equal(_dense(model.get_submodule(name)), reference[name]), name
+    with torch.inference_mode():
+        after = model(ids).logits[0]  # the int4 kernels in float32: only summation order differs
+    torch.testing.assert_close(after, before, rtol=0, atol=2e-3)
+    assert torch.equal(after.argmax(-1), before.argmax(-1))
+
+
+def test_clear_errors(tmp_path):
+    from speclm.models.compiled import make_compiled
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32))
+    with pytest.raises(SpeclmError, match="not loaded from a GGUF"):
+        make_compiled(model, frozenset(), quantize="gguf")
+    with pytest.raises(SpeclmError, match="unknown quantization"):
+        make_compiled(model, frozenset(), quantize="int3")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 16)
+    with pytest.raises(SpeclmError, match="cannot read GGUF"):
+        keep_gguf_int4(model, bad)
+
+
+@pytest.mark.real_model
+def test_quantized_self_draft_uses_the_files_blocks():
+    """quant:bits=4 on a target loaded from a 4-bit GGUF drafts with the file's own blocks: the
+    draft computes the target's weights, so it agrees with the target (float32: closely)."""
+    from speclm.drafters.quant import quant_draft
+    from speclm.models import load_model
+
+    target = load_model("default", backend="torch").backend
+    assert target.source_gguf is not None and target.fork().source_gguf == target.source_gguf
+    key, build = quant_draft(target, 4, progress=False)
+    assert key == "quant:gguf"
+    draft = build()
+    assert draft.model is not target.model
+    assert any(isinstance(m, Int4Linear) for m in draft.model.modules())
+    assert not any(isinstance(m, Int4Linear) for m in target.model.modules())  # target untouched
+    ids = torch.tensor([1, 504, 3458, 314, 260, 1345, 30, 198])
+    a = draft.forward(ids, 0, num_logits=8).logits
+    b = target.forward(ids, 0, num_logits=8).logits
+    torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
