@@ -134,3 +134,22 @@ def test_quantized_self_draft_uses_the_files_blocks():
     a = draft.forward(ids, 0, num_logits=8).logits
     b = target.forward(ids, 0, num_logits=8).logits
     torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+
+
+@pytest.mark.real_model
+def test_quantized_self_draft_is_lossless_through_the_api():
+    """Greedy speculation with the file's-blocks draft returns plain decoding's tokens, and a
+    server's row view hands the drafter the same source file."""
+    from speclm import LLM, SamplingParams
+    from speclm.models.rows import SlotRows, TargetView
+
+    llm = LLM("default", backend="torch", speculative_model="quant:bits=4", num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    prompt = ["Name the planets of the solar system in order."]
+    plain = llm.generate(prompt, params, speculative=False)[0]
+    spec = llm.generate(prompt, params)[0]
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.drafted_tokens > 0
+    assert spec.stats.accepted_tokens / spec.stats.drafted_tokens > 0.8  # the target's own weights
+    for view in (TargetView(llm.target), SlotRows(llm.target, 1)):
+        assert view.source_gguf == llm.target.source_gguf

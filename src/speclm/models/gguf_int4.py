@@ -2,7 +2,7 @@
 
 llama.cpp's Q4_0 and Q4_1 store each row of a weight in blocks of 32 inputs: 32 four-bit codes
 q, a float16 scale d and, for Q4_1, a float16 minimum m. The weight is d * (q - 8) (Q4_0) or
-d * q + m (Q4_1). PyTorch's int4 kernels (:class:`~.quantize.Int4Linear`) compute
+d * q + m (Q4_1). PyTorch's int4 kernels (:class:`~.quant_linear.Int4Linear`) compute
 (q - 8) * scale + zero per group of inputs, so one block is one group of 32: scale = d and zero =
 m + 8 d (Q4_1) or 0 (Q4_0). The layer then computes the file's weights, not a
 second rounding of them (``--quantize int4`` rounds the dequantized weights again, in groups of
@@ -20,6 +20,9 @@ its output head is tied to) split exactly into two int4 layers: a code q in [-12
 codes h + 8 and scale 16 d and one with codes l and scale d (:class:`SplitQ8Linear`: the bytes
 of int8, two int4 kernels, the file's values exactly). Layers stored at other types keep their
 dequantized float weights, in the compute dtype.
+
+On CUDA the same layers use PyTorch's CUDA int4 kernel (bfloat16 scales): written for, never
+run on a GPU.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from torch import nn
 from ..errors import SpeclmError
 from .quant_linear import Int4Linear
 
-BLOCK = 32  # inputs per Q4_0 / Q4_1 block
+BLOCK = 32  # inputs per Q4_0 / Q4_1 / Q8_0 block
 
 
 @dataclass
