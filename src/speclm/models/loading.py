@@ -71,10 +71,16 @@ def _default_gguf() -> Path:
     return files[0]
 
 
+def file_key(path: Path, *extra: str) -> str:
+    """12 hex digits naming a file's identity (resolved path, size, modification time) and
+    ``extra``: the key of what speclm caches from that file."""
+    stat = path.stat()
+    text = "|".join([str(path.resolve()), str(stat.st_size), str(stat.st_mtime_ns), *extra])
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
 def _gguf_cache_path(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()
-    return cache_dir() / "gguf" / f"{gguf.stem}-{key[:12]}"
+    return cache_dir() / "gguf" / f"{gguf.stem}-{file_key(gguf)}"
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
@@ -200,7 +206,7 @@ def load_model(
 
     ``backend``: ``torch`` (transformers, eager unless ``compile``), ``llamacpp`` (a GGUF file
     through llama.cpp) or ``auto`` (see :func:`choose_backend`). ``compile`` and ``quantize``
-    (``int8``/``int4`` weight-only, or ``gguf``: a GGUF file's own Q4_0/Q4_1 blocks) select the
+    (``int8``/``int4`` weight-only, or ``gguf``: a GGUF file's own Q4_0/Q4_1/Q8_0 blocks) select the
     torch backend's fast path (models/compiled.py).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -209,9 +215,6 @@ def load_model(
     dtype_given = dtype is not None and dtype != "auto"
     fast = bool(compile or quantize)
     if is_random(model):
-        if quantize == "gguf":
-            raise SpeclmError("--quantize gguf keeps a GGUF file's own 4-bit blocks; a random model "
-                              "has none (use int4 or int8)")
         if choose_backend(backend, None, dev, dtype_given=dtype_given, fast=fast) != "torch":
             raise SpeclmError("random models run on the torch backend only")
         loaded = _load_random(model, dev, resolve_dtype(dtype, dev))

@@ -15,7 +15,6 @@ fallback type instead, so such a model's "2-bit" copy is mostly 4-bit (IQ4_NL).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
 import sys
 import tempfile
@@ -24,7 +23,7 @@ from pathlib import Path
 
 from ..errors import SpeclmError
 from .llamacpp import import_llama_cpp, last_native_error
-from .loading import cache_dir
+from .loading import cache_dir, file_key
 
 # speclm's name -> llama.cpp's file type (LLAMA_FTYPE_MOSTLY_*)
 GGUF_TYPES = {"q2_k": "Q2_K", "q3_k_s": "Q3_K_S", "q4_0": "Q4_0", "q4_k_s": "Q4_K_S",
@@ -33,9 +32,7 @@ GGUF_TYPES = {"q2_k": "Q2_K", "q3_k_s": "Q3_K_S", "q4_0": "Q4_0", "q4_k_s": "Q4_
 
 def requantized_path(source: Path, type_name: str) -> Path:
     """Where the ``type_name`` copy of ``source`` is cached (it may not exist yet)."""
-    stat = source.stat()
-    key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{type_name}".encode()).hexdigest()
-    return cache_dir() / "requantized" / f"{source.stem}-{type_name}-{key[:12]}.gguf"
+    return cache_dir() / "requantized" / f"{source.stem}-{type_name}-{file_key(source, type_name)}.gguf"
 
 
 def requantize_gguf(source: Path, type_name: str, *, threads: int | None = None,
