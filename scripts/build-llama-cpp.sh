@@ -3,9 +3,8 @@
 #
 # The wheel is cached in $SPECLM_WHEEL_CACHE (default ~/.cache/speclm/wheels), so a second run,
 # and CI after the first, installs it in seconds instead of compiling llama.cpp for minutes.
-# Flags: the x86-64 SIMD levels are set explicitly instead of -march=native, because ggml's AMX
-# kernels (which -march=native turns on for Sapphire Rapids and newer) crash in llama_decode on
-# the Q4_1 default model; AVX-512 (with VNNI and BF16) stays on. Other machines: set CMAKE_ARGS.
+# Flags: scripts/ggml-cpu-flags.sh (explicit x86-64 SIMD levels, AMX kernels off); set CMAKE_ARGS
+# to build with others.
 set -euo pipefail
 VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 CACHE="${SPECLM_WHEEL_CACHE:-$HOME/.cache/speclm/wheels}"
@@ -13,15 +12,8 @@ PYTHON="${PYTHON:-python}"
 mkdir -p "$CACHE"
 wheel=$(ls "$CACHE"/llama_cpp_python-"$VERSION"-*.whl 2>/dev/null | head -n 1 || true)
 if [ -z "$wheel" ]; then
-    if [ "$(uname -m)" = "x86_64" ] && [ -z "${CMAKE_ARGS:-}" ]; then
-        flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
-        if grep -q avx512f /proc/cpuinfo 2>/dev/null; then
-            flags="$flags -DGGML_AVX512=ON"
-            grep -q avx512_vnni /proc/cpuinfo && flags="$flags -DGGML_AVX512_VNNI=ON"
-            grep -q avx512_bf16 /proc/cpuinfo && flags="$flags -DGGML_AVX512_BF16=ON"
-            grep -q avx512vbmi /proc/cpuinfo && flags="$flags -DGGML_AVX512_VBMI=ON"
-        fi
-        export CMAKE_ARGS="$flags -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+    if [ -z "${CMAKE_ARGS:-}" ]; then
+        export CMAKE_ARGS="$("$(dirname "$0")"/ggml-cpu-flags.sh)"
     fi
     export CMAKE_ARGS="${CMAKE_ARGS:-} -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF"
     export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"

@@ -165,6 +165,10 @@ def test_mismatch_diagnosis_tells_a_bug_from_a_tie(model_dirs):
     assert tie["margin"] == 0 and tie["verdict"].startswith("numerical near-tie")
     short = diagnose_mismatch(llm, messages, plain, plain[:4])
     assert short["position"] == 4 and "lengths differ" in short["verdict"]
+    memo: dict = {}  # methods of one turn that part from plain at the same token share one diagnosis
+    first = diagnose_mismatch(llm, messages, plain, wrong, memo)
+    llm.target.forward = None  # a second diagnosis of the same divergence computes nothing
+    assert diagnose_mismatch(llm, messages, plain, wrong[:5], memo) is first
 
 
 def test_near_ties_are_measured_where_kernels_round_rows_differently(model_dirs):

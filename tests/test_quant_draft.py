@@ -89,6 +89,20 @@ def test_greedy_identity_compiled_target(target):
     assert accepted > 0
 
 
+def test_compiled_draft_warms_the_cache_sizes_the_target_was_warmed_for(target):
+    """A long request grows the draft's cache with the target's: a draft built after the target
+    was warmed for larger cache sizes compiles its steps for those too, not mid-request."""
+    from speclm.models.compiled import make_compiled
+
+    fast = make_compiled(target, frozenset({0}), buckets=(1, 4), capacities=(64, 128, 256),
+                         compile_backend="aot_eager")
+    fast.warmup(1, capacities=(64, 128))
+    assert fast.compiled_capacities == (64, 128)
+    draft = quant_draft(fast, 4)[1]()
+    assert draft.compiled_capacities == (64, 128)
+    assert {cap for _, cap in draft._step.seen} == {64, 128}
+
+
 def test_api_greedy_identity_and_rows_share_one_copy(model_dirs):
     llm = LLM(str(model_dirs["target"]), "quant:bits=8", 4, dtype="float64", adaptive_draft=False)
     assert llm.speculation.name == "quant[8-bit]"

@@ -14,6 +14,12 @@
     hf-early-exit[:layers=N]         generate(assistant_early_exit=N) (default: a third of layers)
     llamacpp                         llama.cpp's own plain decoding (greedy sampler in C)
     llamacpp-lookup[:k=10,ngram=2]   llama-cpp-python's own prompt lookup (LlamaPromptLookupDecoding)
+    llama-server[:spec=TYPE,k=K,kmin=M,ngram=N,draft=GGUF]
+                                     llama.cpp's C++ server, one request at a time, with its own
+                                     speculation: spec=none (default), ngram-simple, ngram-map-k,
+                                     ngram-map-k4v, ngram-mod, ngram-cache or draft-simple (with
+                                     draft=GGUF); k: draft length, kmin: minimum draft, ngram: lookup
+                                     n-gram size (each type's own flag; scripts/build-llama-server.sh)
 
 plain, the drafters and oracle also take engine options, so one run compares backends:
 backend=torch|llamacpp|auto, compile=1, quantize=int8|int4|gguf, dtype=bfloat16 (default: the
@@ -44,10 +50,13 @@ _SCHEMA: dict[str, dict[str, tuple[type, object]]] = {
     "hf-early-exit": {"layers": (int, 0), "k": (int, 5)},
     "llamacpp": {},
     "llamacpp-lookup": {"k": (int, 10), "ngram": (int, 2)},
+    "llama-server": {"spec": (str, "none"), "k": (int, None), "kmin": (int, None), "ngram": (int, None),
+                     "draft": (str, None)},
 }
 _TORCH_OPTIONS = ("compile", "quantize", "dtype")  # engine options only the torch backend takes
 _UNSET = {"compile": 0, "quantize": None, "dtype": "auto"}  # each one's "not asked for"
-PEERS = ("hf", "hf-lookup", "hf-assisted", "hf-early-exit", "llamacpp", "llamacpp-lookup")
+LLAMACPP_PEERS = ("llamacpp", "llamacpp-lookup", "llama-server")  # run on llama.cpp, on the GGUF
+PEERS = ("hf", "hf-lookup", "hf-assisted", "hf-early-exit", *LLAMACPP_PEERS)
 _BENCH_ONLY = ("k", "adaptive", *ENGINE_OPTIONS)  # options of the run, not of the drafter
 
 
@@ -79,7 +88,7 @@ class MethodSpec:
 
     @property
     def k(self) -> int:
-        return int(self.options.get("k", 0))
+        return int(self.options.get("k") or 0)
 
     def short_label(self) -> str:
         """The label with each path option cut to its last component (``medusa:path=medusa-smollm2``)."""
@@ -109,7 +118,7 @@ def parse_method(text: str) -> MethodSpec:
     """Parse and validate one ``--method`` value; errors name the problem in one line."""
     parsed = parse_options(text, _SCHEMA, what="method")
     name, options = parsed.name, parsed.options
-    if "k" in options and options["k"] < 1:
+    if options.get("k") is not None and options["k"] < 1:
         raise SpeclmError(f"method spec {text!r}: k must be >= 1")
     if name == "oracle" and not 0.0 <= options["a"] <= 1.0:
         raise SpeclmError(f"method spec {text!r}: a must be in [0, 1]")
@@ -126,6 +135,13 @@ def parse_method(text: str) -> MethodSpec:
         raise SpeclmError(f"method spec {text!r}: quantize must be one of {', '.join(CHOICES)}")
     if name == "llamacpp-lookup" and options["ngram"] < 1:
         raise SpeclmError(f"method spec {text!r}: ngram must be >= 1")
+    if name == "llama-server":
+        from .llama_server import server_args
+
+        try:
+            server_args(options)
+        except SpeclmError as exc:
+            raise SpeclmError(f"method spec {text!r}: {exc}") from None
     if name == "hf-assisted" and options["path"] != "default" and not Path(options["path"]).expanduser().exists():
         raise SpeclmError(f"method spec {text!r}: model path {options['path']!r} does not exist")
     return MethodSpec(parsed.label, name, options)

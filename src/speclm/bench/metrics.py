@@ -70,16 +70,17 @@ def summarize(rows: list[dict], plain_step_s: float | None, plain_rows: list[dic
     if all("forwards" in r for r in ok):  # speclm's engine (peers report no internals)
         forwards = sum(r["forwards"] for r in ok)
         out["tau"] = tokens / forwards if forwards else 0.0
-    if all("drafted" in r for r in ok):
+    if all("drafted" in r for r in ok):  # speclm's rows, and peers that count their drafts
         drafted = sum(r["drafted"] for r in ok)
-        accepted = sum(r["accepted"] for r in ok)
+        out["alpha"] = sum(r["accepted"] for r in ok) / drafted if drafted else 0.0
+    if all("judged_per_position" in r for r in ok):
+        drafted = sum(r["drafted"] for r in ok)
         width = max(len(r["judged_per_position"]) for r in ok)
         judged = [sum(r["judged_per_position"][i] for r in ok if i < len(r["judged_per_position"]))
                   for i in range(width)]
         acc = [sum(r["accepted_per_position"][i] for r in ok if i < len(r["accepted_per_position"]))
                for i in range(width)]
         out.update(
-            alpha=accepted / drafted if drafted else 0.0,
             acceptance_by_position=[a / j if j else 0.0 for a, j in zip(acc, judged)],
             # per-token acceptance as the bound's i.i.d. model sees it: successes / trials
             alpha_iid=sum(acc) / sum(judged) if sum(judged) else 0.0,

@@ -105,7 +105,7 @@ LEGEND = (
     "same request (--baseline; default the first plain); median speedup = the same ÷ plain "
     "decoding on the method's own engine (backend, compile, quantize, dtype), prefill included; "
     "c, v, the bounds and identity are against that plain too; decode speedup = pooled decode tokens/s ÷ plain's, prefill excluded "
-    "(speclm methods only); alpha = accepted ÷ drafted; alpha/token = P(accept | reached), the "
+    "(speclm methods only); alpha = accepted ÷ drafted (speclm methods and llama-server); alpha/token = P(accept | reached), the "
     "i.i.d. rate the bound assumes; tau = tokens per target forward; c = draft time per token ÷ "
     "plain's time per step; v = target time per speculative forward ÷ plain's time per step; "
     "bound = (1 − a^(K+1)) / ((1 − a)(cK + 1)) (Leviathan et al.) with a = alpha/token and the "

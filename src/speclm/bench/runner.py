@@ -19,7 +19,7 @@ from ..api import LLM, Speculation
 from ..draft_length import DraftLengthConfig
 from ..errors import SpeclmError
 from ..sampling import SamplingParams
-from .methods import MethodSpec
+from .methods import LLAMACPP_PEERS, MethodSpec
 from .oracle import OracleDrafter
 from .peers import HFPeer
 
@@ -65,7 +65,7 @@ class EnginePool:
     def engine_of(self, spec: MethodSpec) -> tuple:
         """The engine a method runs on; peers: transformers' peers on eager torch, llama.cpp's
         on their own llama.cpp (keyed by that backend, so they pair with its plain row)."""
-        if spec.name.startswith("llamacpp"):
+        if spec.name in LLAMACPP_PEERS:
             return ("llamacpp", 0, None, None)
         if spec.is_peer:
             return ("torch", 0, None, self.defaults[3])
@@ -97,10 +97,12 @@ def build_setups(pool: EnginePool, specs: list[MethodSpec]) -> dict[str, object]
             setups[spec.label] = Speculation(drafter, DraftLengthConfig(o["k"]), spec.label)
         else:
             try:
-                if spec.name.startswith("llamacpp"):
+                if spec.name in LLAMACPP_PEERS:
+                    from .llama_server import LlamaServerPeer
                     from .llamacpp_peers import LlamaCppLookupPeer, LlamaCppPlainPeer
 
-                    peer = LlamaCppPlainPeer if spec.name == "llamacpp" else LlamaCppLookupPeer
+                    peer = {"llamacpp": LlamaCppPlainPeer, "llamacpp-lookup": LlamaCppLookupPeer,
+                            "llama-server": LlamaServerPeer}[spec.name]
                     setups[spec.label] = peer(spec, pool.gguf(),
                                               pool.get(pool.engine_of(spec)).target.eos_token_ids)
                 else:
@@ -156,10 +158,10 @@ def _run_one(llm: LLM, setup, messages: list[dict], params: SamplingParams) -> d
     prompt = bench_prompt(llm, messages)
     if _is_peer(setup):
         prompt_ids = llm.encode(prompt)
-        ids, elapsed = setup.run(prompt_ids, params)
+        ids, elapsed, *counts = setup.run(prompt_ids, params)  # a peer may add its draft counts
         text = llm.tokenizer.decode(ids, skip_special_tokens=True)
         return dict(token_ids=ids, text=text, tokens=len(ids), prompt_tokens=len(prompt_ids),
-                    time_s=elapsed, tok_s=len(ids) / elapsed if elapsed > 0 else 0.0)
+                    time_s=elapsed, tok_s=len(ids) / elapsed if elapsed > 0 else 0.0, **(counts or [{}])[0])
     if isinstance(prompt, str):
         out = llm.generate(prompt, params, speculative=setup)[0]
     else:
@@ -187,7 +189,8 @@ def _is_peer(setup) -> bool:
 _WIDTHS = tuple(range(1, 17))  # ways to compute one position: alone, or as the last row of a verify
 
 
-def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids: list[int]) -> dict:
+def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids: list[int],
+                      memo: dict | None = None) -> dict:
     """Why a greedy output differs from plain decoding: the first differing position and the
     target's logit gap there between plain's token and the other.
 
@@ -205,7 +208,11 @@ def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids:
                     verdict=f"BUG: lengths differ ({len(ids)} vs plain's {len(plain_ids)})")
     prefix = torch.tensor(llm.encode(bench_prompt(llm, messages)) + plain_ids[:at], dtype=torch.long)
     target, ours, theirs = llm.target, plain_ids[at], ids[at]
+    key = (tuple(prefix.tolist()), ours, theirs)  # rows that part at the same tokens share it
+    if memo is not None and key in memo:
+        return memo[key]
     gaps = []  # logit[plain's token] - logit[the other], per way of computing the position
+    # each way from a fresh cache: how the context is batched changes its cached keys and values
     for width in sorted({min(w, prefix.shape[0]) for w in _WIDTHS}):
         cut = prefix.shape[0] - width
         target.reset()
@@ -222,7 +229,10 @@ def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids:
     else:
         verdict = (f"BUG: the target prefers plain's token by {margin:.3g} logits, however the "
                    f"position is computed (they differ by {spread:.2g})")
-    return dict(position=at, margin=margin, spread=spread, verdict=verdict)
+    found = dict(position=at, margin=margin, spread=spread, verdict=verdict)
+    if memo is not None:
+        memo[key] = found
+    return found
 
 
 def run_bench(
@@ -254,12 +264,18 @@ def run_bench(
     first_plain = given_plain or next(s.label for s in specs if s.name == "plain")
     # a method whose setup failed has no engine of its own to compare with: the first plain
     reference = {s.label: plains.get(engine[s.label], first_plain) for s in specs}
+    # llama-server's speculation is checked against the same server's plain decoding where the
+    # run has one: the server batches a prompt its own way, so its plain output is its own
+    own_plain = [s.label for s in specs if s.name == "llama-server" and s.options["spec"] == "none"]
+    for s in specs:
+        if own_plain and s.name == "llama-server" and s.label != own_plain[0]:
+            reference[s.label] = own_plain[0]
     baseline = baseline or first_plain
     if baseline not in reference:
         raise SpeclmError(f"--baseline {baseline!r} is not one of the methods")
     # plain methods first (in order), then the rest rotating from prompt to prompt
-    plain_labels = [s.label for s in specs if s.name == "plain"]
-    others = [s.label for s in specs if s.name != "plain"]
+    plain_labels = [s.label for s in specs if s.name == "plain"] + own_plain[:1]  # references first
+    others = [s.label for s in specs if s.label not in plain_labels]
     llm_of = {label: pool.get(engine[label] if not isinstance(setups[label], str) else engine[first_plain])
               for label in setups}
     # the fast path compiles each verify width and cache size up front, not inside a request
@@ -288,6 +304,7 @@ def run_bench(
         failed: dict[str, str] = {}  # a failed turn ends that method's conversation
         for turn, text in enumerate(prompt["turns"]):
             done: dict[str, dict] = {}
+            diagnosed: dict = {}  # the mismatch diagnoses of this turn, shared by its methods
             for label in plain_labels + order:
                 setup, llm = setups[label], llm_of[label]
                 ref_row = done.get(reference[label])
@@ -323,7 +340,10 @@ def run_bench(
                     row["identical"] = (row["token_ids"] == ref_row["token_ids"]) if params.greedy and same else None
                     if row["identical"] is False:
                         row["mismatch"] = diagnose_mismatch(llm, messages, ref_row["token_ids"],
-                                                            row["token_ids"])
+                                                            row["token_ids"], diagnosed)
+                        if _is_peer(setup):  # measured on speclm's target; not speclm's to fix
+                            row["mismatch"] = {**row["mismatch"], "verdict": "a peer's own decoding: "
+                                               + row["mismatch"]["verdict"].removeprefix("BUG: ")}
                     history[label] = messages + [{"role": "assistant", "content": row["text"]}]
                 rows.append(row)
             base = done.get(baseline)

@@ -177,6 +177,11 @@ class CompiledCausalLM:
         twin.source_gguf = self.source_gguf
         return twin
 
+    @property
+    def compiled_capacities(self) -> tuple[int, ...]:
+        """The cache sizes some step is compiled for so far (a draft warms the same ones)."""
+        return tuple(sorted({cap for _, cap in self._step.seen}))
+
     def bucket(self, num_tokens: int) -> int | None:
         """The padded token count a forward of ``num_tokens`` runs at (None: eager)."""
         for b in self.buckets:
