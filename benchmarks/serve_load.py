@@ -1,15 +1,27 @@
-"""Throughput and time to first token of ``speclm serve`` at 1, 4 and 16 concurrent clients,
-with speculation on (prompt lookup, adaptive K) and off (``--no-spec``), measured in one run.
+"""Throughput and time to first token of OpenAI-compatible servers at 1, 4 and 16 concurrent
+clients: ``speclm serve`` with speculation on and off, and the peers a CPU user would run instead on
+the same GGUF, llama.cpp's own C++ ``llama-server`` (continuous batching, its own n-gram or
+draft-model speculation) and llama-cpp-python's ``python -m llama_cpp.server``, all in one run.
 
-Two servers run side by side on the same model (only the one being measured is busy); the
-phases are interleaved (on/off order alternates per round) so that drifting machine load hits
-both alike. Each client streams chat completions back to back through the official ``openai``
-client; tokens/s is all completion tokens over the phase's wall time, TTFT is measured per
-request at the client (request sent -> first content chunk). The server's /metrics give the
-mean draft cap per step and the share of steps the policy ran plain.
+Every server runs side by side for the whole run (only the one being measured is busy). The phases
+are interleaved: for each round and concurrency level every server takes its turn, in an order
+that rotates per round, so that drifting machine load hits all alike. Each client streams chat
+completions back to back through the official ``openai`` client, greedy; tokens/s is all
+completion tokens over the phase's wall time, TTFT is measured per request at the client (request
+sent -> first content chunk). speclm's /metrics give the mean batch, the mean draft cap per step,
+the share of steps the policy ran plain, and alpha. Prompt caching is off on llama-server
+(``cache_prompt: false``), since the same prompts come back every round and speclm caches none.
 
-    python benchmarks/serve_load.py --rounds 3 --max-tokens 48 [--backend llamacpp] [--drafter ngram] \
-        --out results/serve_load.json
+A server is ``LABEL=PROGRAM FLAGS...``; PROGRAM is ``speclm`` (``speclm serve`` flags), ``llama-server``
+(its own flags, e.g. ``--spec-type ngram-simple``; threads, context, batch sizes and slots are
+set here) or ``llama-cpp-python``. Without ``--server``: speclm on and off on ``--backend``.
+
+    python benchmarks/serve_load.py --rounds 3 --max-tokens 48 \\
+        --server 'speclm on=speclm --backend llamacpp' \\
+        --server 'speclm off=speclm --backend llamacpp --no-spec' \\
+        --server 'llama-server=llama-server' \\
+        --server 'llama-server ngram=llama-server --spec-type ngram-simple' \\
+        --server 'llama-cpp-python=llama-cpp-python' --reference 'speclm off' --out serve_load.json
 """
 
 from __future__ import annotations
@@ -17,19 +29,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 import openai
 
 from speclm.prompts import DEFAULT_PROMPTS, load_prompts, spread
-from speclm.serve.process import serve_process
+from speclm.serve.process import free_port, serve_process, stop, wait_ready
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench" / "question.jsonl"
+PROGRAMS = ("speclm", "llama-server", "llama-cpp-python")
+CONTEXT_PER_SLOT = 4096
 
 
 def metric(text: str, name: str) -> float:
@@ -39,16 +57,34 @@ def metric(text: str, name: str) -> float:
     return 0.0
 
 
+SPECLM_METRICS = ("speclm_spec_draft_length_per_step_sum", "speclm_spec_draft_length_per_step_count",
+                  "speclm_spec_off_steps_total", "speclm_spec_drafted_tokens_total",
+                  "speclm_spec_accepted_tokens_total", "speclm_batch_size_sum", "speclm_batch_size_count")
+
+
 def spec_figures(url: str) -> dict:
     text = httpx.get(f"{url}/metrics").text
-    return {k: metric(text, k) for k in (
-        "speclm_spec_draft_length_per_step_sum", "speclm_spec_draft_length_per_step_count",
-        "speclm_spec_off_steps_total", "speclm_spec_drafted_tokens_total",
-        "speclm_spec_accepted_tokens_total", "speclm_batch_size_sum", "speclm_batch_size_count")}
+    return {k: metric(text, k) for k in SPECLM_METRICS}
 
 
-async def run_phase(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=600, max_retries=0)
+class TokenCounter:
+    """Completion tokens of a reply whose stream carries no usage (llama_cpp.server): the text
+    tokenized again by the GGUF's own tokenizer, as serving benchmarks do."""
+
+    def __init__(self, gguf: Path) -> None:
+        self.gguf, self._vocab = gguf, None
+
+    def __call__(self, text: str) -> int:
+        if self._vocab is None:
+            from llama_cpp import Llama
+
+            self._vocab = Llama(str(self.gguf), vocab_only=True, verbose=False)
+        return len(self._vocab.tokenize(text.encode(), add_bos=False, special=True))
+
+
+async def run_phase(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
+                    extra_body: dict, count_tokens: TokenCounter) -> dict:
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=900, max_retries=0)
     queue = list(range(requests))
     ttfts, tokens, errors = [], [], []
 
@@ -56,17 +92,20 @@ async def run_phase(url: str, prompts: list[str], clients: int, requests: int, m
         while queue:
             i = queue.pop()
             sent = time.perf_counter()
-            first = None
+            first, usage, text = None, None, []
             try:
                 stream = await client.chat.completions.create(
                     model="default", messages=[{"role": "user", "content": prompts[i % len(prompts)]}],
                     max_tokens=max_tokens, temperature=0, stream=True,
-                    stream_options={"include_usage": True})
+                    stream_options={"include_usage": True}, extra_body=extra_body or None)
                 async for chunk in stream:
-                    if first is None and chunk.choices and chunk.choices[0].delta.content:
-                        first = time.perf_counter() - sent
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        if first is None:
+                            first = time.perf_counter() - sent
+                        text.append(chunk.choices[0].delta.content)
                     if chunk.usage is not None:
-                        tokens.append(chunk.usage.completion_tokens)
+                        usage = chunk.usage.completion_tokens
+                tokens.append(usage if usage is not None else count_tokens("".join(text)))
             except Exception as exc:
                 errors.append(repr(exc))
             if first is not None:
@@ -76,18 +115,81 @@ async def run_phase(url: str, prompts: list[str], clients: int, requests: int, m
     await asyncio.gather(*(worker() for _ in range(clients)))
     wall = time.perf_counter() - start
     await client.close()
-    ttfts.sort()
+    ttfts = sorted(ttfts) or [float("nan")]
     return {"clients": clients, "requests": requests, "tokens": sum(tokens), "wall_s": wall,
             "tok_s": sum(tokens) / wall, "ttft_median_s": statistics.median(ttfts),
             "ttft_p95_s": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
             "errors": errors}
 
 
+@contextmanager
+def llama_cpp_python_server(gguf: Path, log_dir: Path, threads: int, ready_timeout: float = 120.0):
+    """``python -m llama_cpp.server`` on the GGUF, until it stops. It answers one request at a time
+    (the others wait on its lock); by default a new request would cancel the running one, which
+    no serving comparison wants, so that is switched off."""
+    port = free_port()
+    log = log_dir / f"llama-cpp-python-{port}.log"
+    command = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
+               "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
+               "--n_ctx", str(CONTEXT_PER_SLOT), "--n_batch", "512", "--verbose", "False",
+               "--interrupt_requests", "False"]  # its default: a new request cancels the running one
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        try:
+            wait_ready(proc, f"{url}/v1/models", lambda: log.read_text(errors="replace")[-2000:], ready_timeout)
+        except AssertionError as exc:
+            raise SystemExit(f"llama_cpp.server (is speclm's [peers] extra installed?): {exc}") from None
+        yield url
+    finally:
+        stop(proc)
+
+
+def parse_server(text: str) -> tuple[str, str, list[str]]:
+    label, sep, command = text.partition("=")
+    words = shlex.split(command)
+    if not sep or not label.strip() or not words or words[0] not in PROGRAMS:
+        raise SystemExit(f"--server {text!r}: expected LABEL=PROGRAM FLAGS..., PROGRAM one of {', '.join(PROGRAMS)}")
+    return label.strip(), words[0], words[1:]
+
+
+def start_servers(stack: ExitStack, servers: list[tuple[str, str, list[str]]], args, logs: Path) -> dict:
+    """label -> (url, program); every server started before any is measured."""
+    from speclm.bench.llama_server import LlamaServerProcess
+    from speclm.models.llamacpp import LlamaCppModel
+    from speclm.models.loading import find_gguf
+
+    gguf = find_gguf(args.model)
+    slots = max(args.levels)
+    threads = LlamaCppModel.default_threads()
+    started = {}
+    for label, program, flags in servers:
+        if program == "speclm":
+            server = stack.enter_context(serve_process(
+                ["--model", args.model, "--max-batch", str(slots), "--log-level", "warning", *flags],
+                logs, threads=None, ready_timeout=args.ready_timeout))
+            url = server.url
+        elif program == "llama-server":
+            url = stack.enter_context(LlamaServerProcess(gguf, flags, parallel=slots, n_ctx=CONTEXT_PER_SLOT)).url
+        else:
+            url = stack.enter_context(llama_cpp_python_server(gguf, logs, threads))
+        started[label] = (url, program)
+        print(f"started {label}: {program} {shlex.join(flags)} at {url}", file=sys.stderr, flush=True)
+    return started
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--model", default="default")
-    ap.add_argument("--backend", default="auto", help="the servers' --backend (default: %(default)s)")
-    ap.add_argument("--drafter", help="the speculative server's --drafter (default: the server's)")
+    ap.add_argument("--server", action="append", default=[], metavar="LABEL=PROGRAM FLAGS",
+                    help="a server to measure (repeatable; see below)")
+    ap.add_argument("--reference", help="the server the ratio column divides by (default: the last speclm "
+                                        "server, which without --server is --no-spec)")
+    ap.add_argument("--backend", default="auto", help="without --server: the speclm servers' --backend")
+    ap.add_argument("--drafter", help="without --server: the speculative server's --drafter")
     ap.add_argument("--clients", default="1,4,16", help="concurrency levels (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -95,68 +197,93 @@ def main() -> int:
     ap.add_argument("--min-requests", type=int, default=3, help="at least this many per phase")
     ap.add_argument("--prompts", default=str(SPEC_BENCH) if SPEC_BENCH.is_file() else str(DEFAULT_PROMPTS))
     ap.add_argument("--num-prompts", type=int, default=32)
+    ap.add_argument("--ready-timeout", type=float, default=600.0,
+                    help="seconds a server may take to start (compiling included)")
     ap.add_argument("--out", help="write the raw results as JSON here")
     args = ap.parse_args()
-    levels = [int(c) for c in args.clients.split(",")]
+    args.levels = [int(c) for c in args.clients.split(",")]
+    servers = [parse_server(s) for s in args.server] or [
+        ("spec", "speclm", ["--backend", args.backend] + (["--drafter", args.drafter] if args.drafter else [])),
+        ("plain", "speclm", ["--backend", args.backend, "--no-spec"])]
+    labels = [label for label, _, _ in servers]
+    if len(set(labels)) != len(labels):
+        raise SystemExit("--server labels must differ")
+    reference = args.reference or ([label for label, program, _ in servers if program == "speclm"] or labels)[-1]
+    if reference not in labels:
+        raise SystemExit(f"--reference {reference!r} is not a server label")
     prompts = [row["turns"][0] for row in spread(load_prompts(args.prompts), args.num_prompts)]
     logs = Path(tempfile.mkdtemp(prefix="serve_load-"))
-    common = ["--model", args.model, "--backend", args.backend, "--max-batch", str(max(levels)),
-              "--log-level", "warning"]
-    spec_args = common + (["--drafter", args.drafter] if args.drafter else [])
     results = []
-    with serve_process(spec_args, logs, threads=None) as spec, \
-            serve_process(common + ["--no-spec"], logs, threads=None) as plain:
-        servers = {"spec": spec.url, "plain": plain.url}
-        for url in servers.values():  # warm-up: first-use costs out of the way
-            asyncio.run(run_phase(url, prompts, 2, 2, 8))
+    with ExitStack() as stack:
+        started = start_servers(stack, servers, args, logs)
+        from speclm.models.loading import find_gguf
+
+        count_tokens = TokenCounter(find_gguf(args.model))
+        extra = {label: {"cache_prompt": False} if program == "llama-server" else {}
+                 for label, (_, program) in started.items()}
+        for label, (url, _) in started.items():  # warm-up: first-use costs out of the way
+            asyncio.run(run_phase(url, prompts, 2, 2, 8, extra[label], count_tokens))
         for rnd in range(args.rounds):
-            for clients in levels:
-                order = ["spec", "plain"] if (rnd + clients) % 2 == 0 else ["plain", "spec"]
-                for mode in order:
-                    before = spec_figures(servers[mode])
+            for clients in args.levels:
+                shift = (rnd + clients) % len(labels)
+                for label in labels[shift:] + labels[:shift]:
+                    url, program = started[label]
+                    before = spec_figures(url) if program == "speclm" else None
                     n = max(args.min_requests, clients * args.requests_per_client)
-                    row = asyncio.run(run_phase(servers[mode], prompts, clients, n, args.max_tokens))
-                    after = spec_figures(servers[mode])
-                    delta = {k: after[k] - before[k] for k in after}
-                    steps = delta["speclm_spec_draft_length_per_step_count"]
-                    row.update(mode=mode, round=rnd,
-                               mean_batch=delta["speclm_batch_size_sum"] / max(1, delta["speclm_batch_size_count"]),
-                               mean_draft_cap=delta["speclm_spec_draft_length_per_step_sum"] / steps if steps else 0.0,
-                               plain_step_share=delta["speclm_spec_off_steps_total"] / steps if steps else 0.0,
-                               alpha=delta["speclm_spec_accepted_tokens_total"] / delta["speclm_spec_drafted_tokens_total"]
-                               if delta["speclm_spec_drafted_tokens_total"] else 0.0)
+                    row = asyncio.run(run_phase(url, prompts, clients, n, args.max_tokens, extra[label],
+                                                count_tokens))
+                    row.update(server=label, program=program, round=rnd)
+                    if before is not None:
+                        after = spec_figures(url)
+                        d = {k: after[k] - before[k] for k in after}
+                        steps = d["speclm_spec_draft_length_per_step_count"]
+                        row.update(
+                            mean_batch=d["speclm_batch_size_sum"] / max(1, d["speclm_batch_size_count"]),
+                            mean_draft_cap=d["speclm_spec_draft_length_per_step_sum"] / steps if steps else 0.0,
+                            plain_step_share=d["speclm_spec_off_steps_total"] / steps if steps else 0.0,
+                            alpha=d["speclm_spec_accepted_tokens_total"] / d["speclm_spec_drafted_tokens_total"]
+                            if d["speclm_spec_drafted_tokens_total"] else 0.0)
                     results.append(row)
-                    print(f"round {rnd} clients {clients:2d} {mode:5s}: {row['tok_s']:6.1f} tok/s, "
+                    print(f"round {rnd} clients {clients:2d} {label:18s}: {row['tok_s']:6.1f} tok/s, "
                           f"TTFT median {row['ttft_median_s']:.2f} s p95 {row['ttft_p95_s']:.2f} s, "
-                          f"batch {row['mean_batch']:.1f}, K {row['mean_draft_cap']:.1f}, "
-                          f"errors {len(row['errors'])}", file=sys.stderr, flush=True)
-    print(table(results, levels))
+                          f"{row['tokens']} tokens, errors {len(row['errors'])}", file=sys.stderr, flush=True)
+    print(table(results, args.levels, labels, reference))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+        Path(args.out).write_text(json.dumps({"args": vars(args), "servers": servers, "cpu": cpu_name(),
+                                              "results": results}, indent=1))
     return 1 if any(r["errors"] for r in results) else 0
 
 
-def table(results: list[dict], levels: list[int]) -> str:
-    """Medians over rounds, per concurrency level and mode."""
-    lines = ["| clients | speculation | tokens/s | TTFT median (s) | TTFT p95 (s) | mean batch | "
-             "mean K | plain-step share | alpha | tok/s on/off |",
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return "unknown"
+
+
+def table(results: list[dict], levels: list[int], labels: list[str], reference: str) -> str:
+    """Medians over rounds, per concurrency level and server; the ratio is of medians."""
+    lines = [f"| clients | server | tokens/s | vs {reference} | TTFT median (s) | TTFT p95 (s) | mean batch | "
+             "mean K | plain-step share | alpha |",
              "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for clients in levels:
         med = {}
-        for mode in ("spec", "plain"):
-            rows = [r for r in results if r["clients"] == clients and r["mode"] == mode]
-            med[mode] = {k: statistics.median(r[k] for r in rows) for k in (
+        for label in labels:
+            rows = [r for r in results if r["clients"] == clients and r["server"] == label]
+            med[label] = {k: statistics.median(r[k] for r in rows) if k in rows[0] else None for k in (
                 "tok_s", "ttft_median_s", "ttft_p95_s", "mean_batch", "mean_draft_cap",
                 "plain_step_share", "alpha")}
-        for mode in ("spec", "plain"):
-            m = med[mode]
-            ratio = f"{med['spec']['tok_s'] / med['plain']['tok_s']:.2f}x" if mode == "spec" else ""
-            spec_cols = (f"{m['mean_draft_cap']:.1f} | {m['plain_step_share']:.0%} | {m['alpha']:.2f}"
-                         if mode == "spec" else "– | – | –")
-            lines.append(f"| {clients} | {'on' if mode == 'spec' else 'off'} | {m['tok_s']:.1f} | "
-                         f"{m['ttft_median_s']:.2f} | {m['ttft_p95_s']:.2f} | {m['mean_batch']:.1f} | "
-                         f"{spec_cols} | {ratio} |")
+        for label in labels:
+            m = med[label]
+            ratio = m["tok_s"] / med[reference]["tok_s"] if med[reference]["tok_s"] else float("nan")
+            speclm = (f"{m['mean_batch']:.1f} | {m['mean_draft_cap']:.1f} | {m['plain_step_share']:.0%} | "
+                      f"{m['alpha']:.2f}" if m["mean_batch"] is not None else "– | – | – | –")
+            lines.append(f"| {clients} | {label} | {m['tok_s']:.1f} | {ratio:.2f}x | {m['ttft_median_s']:.2f} | "
+                         f"{m['ttft_p95_s']:.2f} | {speclm} |")
     return "\n".join(lines)
 
 

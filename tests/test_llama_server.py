@@ -12,11 +12,12 @@ import json
 import os
 import sys
 import textwrap
+import urllib.request
 
 import pytest
 
 from speclm import SamplingParams
-from speclm.bench.llama_server import LlamaServerPeer, server_args, server_binary
+from speclm.bench.llama_server import LlamaServerPeer, LlamaServerProcess, server_args, server_binary
 from speclm.bench.methods import parse_method
 from speclm.errors import SpeclmError
 
@@ -112,7 +113,18 @@ def test_peer_sends_token_ids_greedy_and_reads_tokens_and_counts(fake_server, tm
     body = body["body"]
     assert body["prompt"] == [5, 6, 7, 8] and body["n_predict"] == 10 and body["return_tokens"]
     assert body["temperature"] == 0 and body["top_k"] == 1 and body["cache_prompt"] is False
-    assert peer.proc.poll() is not None  # stopped with the peer
+    assert peer.server.proc.poll() is not None  # stopped with the peer
+
+
+def test_a_serving_process_has_one_context_per_slot_and_stops_on_exit(fake_server, tmp_path):
+    record, _ = fake_server
+    with LlamaServerProcess(tmp_path / "m.gguf", ["--spec-type", "ngram-simple"], parallel=4, n_ctx=64) as server:
+        with urllib.request.urlopen(f"{server.url}/health", timeout=5) as reply:
+            assert reply.status == 200
+    args = _records(record)[0]["argv"]
+    assert args[args.index("-np") + 1] == "4" and args[args.index("-c") + 1] == "256"  # 4 slots x 64
+    assert args[-2:] == ["--spec-type", "ngram-simple"]
+    assert server.proc.poll() is not None
 
 
 def test_peer_refuses_what_it_cannot_run(fake_server, tmp_path):

@@ -155,8 +155,8 @@ def model_file(target, model_path: Path | None) -> Path | None:
 
 
 def cost_key(target, model_file: Path | None) -> dict | None:
-    """What a measurement holds for: model file (path, size, modification time), backend,
-    dtype, threads, device and this measurement's version; None for a model without a file
+    """What a measurement holds for: model file (path, size, modification time), backend, the
+    attention implementation, dtype, threads, device and this measurement's version; None for a model without a file
     (random weights), which is measured afresh every time."""
     if model_file is None or not Path(model_file).exists():
         return None
@@ -166,8 +166,10 @@ def cost_key(target, model_file: Path | None) -> dict | None:
     stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]  # as JSON keeps it
     weights = getattr(target, "weights", None)  # llama.cpp: its own thread count
     threads = getattr(weights, "threads", None) or torch.get_num_threads()
+    config = getattr(getattr(target, "model", None), "config", None)
     return dict(version=VERSION, model=str(path), files=stamp,
                 backend=getattr(target, "backend_name", "torch"),
+                attention=getattr(config, "_attn_implementation", None),  # a verify's cost depends on it
                 dtype=getattr(target, "numerics", None) or str(target.dtype).removeprefix("torch."),
                 threads=threads, device=str(target.device))
 

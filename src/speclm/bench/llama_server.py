@@ -98,17 +98,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-class LlamaServerPeer:
-    """One ``llama-server`` process for one method, started at setup and stopped with the peer."""
+class LlamaServerProcess:
+    """A running ``llama-server`` on a free loopback port: ``parallel`` slots of ``n_ctx`` tokens each
+    (continuous batching across them), the same threads and batch sizes as speclm's llama.cpp rows,
+    plus ``extra`` flags (its speculation). Stopped by ``close()``; a server that dies or does not
+    answer within two minutes raises ``SpeclmError`` with the end of its log."""
 
-    def __init__(self, spec: MethodSpec, gguf, eos_token_ids: frozenset[int], n_ctx: int = 4096) -> None:
-        self.spec = spec  # eos_token_ids: unused (the server stops on the GGUF's own end tokens)
-        self.n_ctx = n_ctx
+    def __init__(self, gguf, extra: list[str] = (), *, parallel: int = 1, n_ctx: int = 4096) -> None:
         self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
         threads = LlamaCppModel.default_threads()
         command = [str(server_binary()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
-                   "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx), "-b", "512", "-ub", "512",
-                   "-np", "1", "--no-webui", *server_args(spec.options)]
+                   "-t", str(threads), "-tb", str(threads), "-c", str(n_ctx * parallel),
+                   "-b", "512", "-ub", "512", "-np", str(parallel), "--no-webui", *extra]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         self._wait_ready()
@@ -119,7 +121,7 @@ class LlamaServerPeer:
             if self.proc.poll() is not None:
                 raise SpeclmError(f"llama-server exited with {self.proc.returncode}: {self._log_tail()}")
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=5) as r:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
                         return
             except (urllib.error.URLError, ConnectionError, OSError):
@@ -133,30 +135,6 @@ class LlamaServerPeer:
         self.log.flush()
         lines = Path(self.log.name).read_text(errors="replace").strip().splitlines()
         return " | ".join(lines[-3:])[:300]
-
-    def run(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], float, dict]:
-        """Token ids, wall seconds, and the server's own draft counts (``drafted``, ``accepted``)."""
-        if not params.greedy:
-            raise SpeclmError("the llama-server peer runs greedy decoding only")
-        if len(prompt_ids) + params.max_tokens > self.n_ctx:
-            raise SpeclmError(f"prompt + budget exceed the peer's context of {self.n_ctx}")
-        body = dict(prompt=list(prompt_ids), n_predict=params.max_tokens, temperature=0.0, top_k=1,
-                    samplers=["top_k"], ignore_eos=params.ignore_eos, cache_prompt=False,
-                    return_tokens=True, stream=False)
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion",
-                                         data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        start = time.perf_counter()
-        try:
-            with urllib.request.urlopen(request, timeout=600) as r:
-                reply = json.loads(r.read())
-        except urllib.error.HTTPError as exc:
-            raise SpeclmError(f"llama-server answered {exc.code}: {exc.read()[:200]!r}") from None
-        elapsed = time.perf_counter() - start
-        ids = [int(t) for t in reply["tokens"]]  # the end token included, as in speclm's rows
-        timings = reply.get("timings", {})
-        counts = {"drafted": int(timings.get("draft_n", 0)), "accepted": int(timings.get("draft_n_accepted", 0))}
-        return ids, elapsed, counts
 
     def close(self) -> None:
         proc = getattr(self, "proc", None)
@@ -172,5 +150,50 @@ class LlamaServerPeer:
             Path(self.log.name).unlink(missing_ok=True)
             self.log = None
 
+    def __enter__(self) -> LlamaServerProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __del__(self) -> None:
         self.close()
+
+
+class LlamaServerPeer:
+    """One ``llama-server`` process (one slot) for one bench method, started at setup and stopped
+    with the peer."""
+
+    def __init__(self, spec: MethodSpec, gguf, eos_token_ids: frozenset[int], n_ctx: int = 4096) -> None:
+        self.spec = spec  # eos_token_ids: unused (the server stops on the GGUF's own end tokens)
+        self.n_ctx = n_ctx
+        self.server = LlamaServerProcess(gguf, server_args(spec.options), n_ctx=n_ctx)
+
+    def run(self, prompt_ids: list[int], params: SamplingParams) -> tuple[list[int], float, dict]:
+        """Token ids, wall seconds, and the server's own draft counts (``drafted``, ``accepted``)."""
+        if not params.greedy:
+            raise SpeclmError("the llama-server peer runs greedy decoding only")
+        if len(prompt_ids) + params.max_tokens > self.n_ctx:
+            raise SpeclmError(f"prompt + budget exceed the peer's context of {self.n_ctx}")
+        body = dict(prompt=list(prompt_ids), n_predict=params.max_tokens, temperature=0.0, top_k=1,
+                    samplers=["top_k"], ignore_eos=params.ignore_eos, cache_prompt=False,
+                    return_tokens=True, stream=False)
+        request = urllib.request.Request(f"{self.server.url}/completion",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        start = time.perf_counter()
+        try:
+            with urllib.request.urlopen(request, timeout=600) as r:
+                reply = json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            raise SpeclmError(f"llama-server answered {exc.code}: {exc.read()[:200]!r}") from None
+        elapsed = time.perf_counter() - start
+        ids = [int(t) for t in reply["tokens"]]  # the end token included, as in speclm's rows
+        timings = reply.get("timings", {})
+        counts = {"drafted": int(timings.get("draft_n", 0)), "accepted": int(timings.get("draft_n_accepted", 0))}
+        return ids, elapsed, counts
+
+    def close(self) -> None:
+        server = getattr(self, "server", None)
+        if server is not None:
+            server.close()

@@ -42,6 +42,7 @@ import torch
 
 from ..errors import SpeclmError
 from ..tree import TreeMeta
+from .attention import MASKED_4D
 from .base import ForwardOutput
 from .dtypes import cast_keeping_rotary
 from .hf_kwargs import cache_kwarg
@@ -117,7 +118,7 @@ class CompiledCausalLM:
                  _step: _Step | None = None) -> None:
         config = model.config
         attention = getattr(config, "_attn_implementation", None) or "eager"
-        if attention not in ("eager", "sdpa"):
+        if attention not in MASKED_4D:
             raise SpeclmError(f"the compiled backend needs eager or sdpa attention, {type(model).__name__} "
                               f"uses {attention!r}")
         if getattr(config, "layer_types", None) and any(t != "full_attention" for t in config.layer_types):

@@ -14,6 +14,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from ..errors import SpeclmError
 from ..tree import TreeMeta
+from .attention import MASKED_4D, use_gqa_sdpa
 from .base import ForwardOutput
 from .hf_kwargs import cache_kwarg
 from .kv_cache import KVCache, check_forward, supports_trees
@@ -27,6 +28,7 @@ class HFCausalLM:
     backend_name = "torch"
 
     def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
+        use_gqa_sdpa(model)  # verifies and batched steps without copying the cache per layer
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -39,7 +41,7 @@ class HFCausalLM:
         # a tree mask replaces the model's own masks, so trees need plain full-attention layers
         # and an attention implementation that applies a 4D additive mask as given
         attention = getattr(model.config, "_attn_implementation", None) or "eager"
-        self.supports_trees = attention in ("eager", "sdpa") and supports_trees(self._cache.hf)
+        self.supports_trees = attention in MASKED_4D and supports_trees(self._cache.hf)
         if not self._cache.hf.is_croppable:
             raise SpeclmError(
                 f"{type(model).__name__} uses a cache that cannot be rolled back "

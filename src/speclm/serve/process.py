@@ -55,21 +55,27 @@ def serve_process(args: list[str], log_dir: Path, *, ready_timeout: float = 120.
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     server = ServerProcess(proc, port, log)
     try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            if proc.poll() is not None:
-                raise AssertionError(f"server exited with {proc.returncode}:\n{server.output()}")
-            try:
-                if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"server not ready after {ready_timeout} s:\n{server.output()}")
-            time.sleep(0.2)
+        wait_ready(proc, f"{server.url}/health", server.output, ready_timeout)
         yield server
     finally:
         stop(proc)
+
+
+def wait_ready(proc: subprocess.Popen, url: str, output, timeout: float) -> None:
+    """Poll ``url`` until it answers 200; AssertionError with ``output()`` (the server's log) if
+    the process exits first or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{output()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not ready after {timeout} s:\n{output()}")
+        time.sleep(0.2)
 
 
 def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:

@@ -1,0 +1,64 @@
+"""The attention function speclm runs stock transformers models with on the CPU: grouped-query
+attention inside PyTorch's SDPA kernel, without copying the cache.
+
+transformers' SDPA attention repeats every key/value head for the query heads that share it
+(``repeat_kv``: a copy of the layer's whole cache) whenever a forward feeds more than one token
+under an explicit mask on the CPU. That is every verify and every batched step speclm runs: at
+16 rows of up to ~800 positions on a 2-core CPU the copies were 40% of a 5-token step, which
+made a wide verify cost 2x to 5x a plain step (docs/benchmarks.md). PyTorch's SDPA takes grouped
+heads itself (``enable_gqa=True``) and reads the shared heads in place.
+
+:func:`gqa_sdpa_attention` is registered with transformers' attention interface under
+:data:`NAME` and handles exactly that case; everything else goes to transformers' own SDPA
+function unchanged: one-token queries (transformers already folds the groups there without a
+copy, so plain decoding computes what it always did), unmasked prefill (transformers passes
+``enable_gqa`` itself there), CUDA (masked GQA would leave the fused kernels), graphs being
+compiled (the compiled path keeps its traced graphs), position biases and soft-capping.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+NAME = "speclm_sdpa"
+# attention implementations that apply a 4D mask as given (token trees, ragged rows)
+MASKED_4D = ("eager", "sdpa", NAME)
+
+
+def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                       is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """query [B, H, T, D], key/value [B, H_kv, L, D], attention_mask [B|1, 1, T, L] -> [B, T, H, D]."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    if (groups == 1 or query.shape[2] == 1 or attention_mask is None or query.device.type != "cpu"
+            or torch.compiler.is_compiling() or kwargs.get("position_bias") is not None
+            or kwargs.get("softcap") is not None or key.shape[-1] != value.shape[-1]):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                         scale=scaling, enable_gqa=True)  # [B, H, T, D]
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(NAME, gqa_sdpa_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # the model's own masks: as for "sdpa"
+
+
+def use_gqa_sdpa(model: torch.nn.Module) -> None:
+    """Run a stock model that uses transformers' SDPA attention with :func:`gqa_sdpa_attention`
+    instead (the same attention, without the copies); other implementations are left alone."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return
+    _register()
+    for sub in model.modules():  # the model and any sub-model sharing or owning a config
+        sub_config = getattr(sub, "config", None)
+        if getattr(sub_config, "_attn_implementation", None) == "sdpa":
+            sub_config._attn_implementation = NAME
