@@ -137,10 +137,8 @@ def llama_cpp_python_server(gguf: Path, log_dir: Path, threads: int, ready_timeo
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        try:
-            wait_ready(proc, f"{url}/v1/models", lambda: log.read_text(errors="replace")[-2000:], ready_timeout)
-        except AssertionError as exc:
-            raise SystemExit(f"llama_cpp.server (is speclm's [peers] extra installed?): {exc}") from None
+        wait_ready(proc, f"{url}/v1/models", lambda: log.read_text(errors="replace")[-2000:], ready_timeout,
+                   name="llama_cpp.server (is speclm's [peers] extra installed?)", error=SystemExit)
         yield url
     finally:
         stop(proc)

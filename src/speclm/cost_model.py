@@ -156,8 +156,8 @@ def model_file(target, model_path: Path | None) -> Path | None:
 
 def cost_key(target, model_file: Path | None) -> dict | None:
     """What a measurement holds for: model file (path, size, modification time), backend, the
-    attention implementation, dtype, threads, device and this measurement's version; None for a model without a file
-    (random weights), which is measured afresh every time."""
+    attention implementation, dtype, threads, device and this measurement's version; None for a
+    model without a file (random weights), which is measured afresh every time."""
     if model_file is None or not Path(model_file).exists():
         return None
     path = Path(model_file).resolve()

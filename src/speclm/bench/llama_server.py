@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -26,6 +25,7 @@ import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..child_process import free_port, stop, wait_ready
 from ..errors import SpeclmError
 from ..models.llamacpp import LlamaCppModel
 from ..sampling import SamplingParams
@@ -92,12 +92,6 @@ def server_args(options: dict) -> list[str]:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class LlamaServerProcess:
     """A running ``llama-server`` on a free loopback port: ``parallel`` slots of ``n_ctx`` tokens each
     (continuous batching across them), the same threads and batch sizes as speclm's llama.cpp rows,
@@ -105,7 +99,7 @@ class LlamaServerProcess:
     answer within two minutes raises ``SpeclmError`` with the end of its log."""
 
     def __init__(self, gguf, extra: list[str] = (), *, parallel: int = 1, n_ctx: int = 4096) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         threads = LlamaCppModel.default_threads()
         command = [str(server_binary()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(self.port),
@@ -113,23 +107,12 @@ class LlamaServerProcess:
                    "-b", "512", "-ub", "512", "-np", str(parallel), "--no-webui", *extra]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
         self.proc = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        self._wait_ready()
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + _START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SpeclmError(f"llama-server exited with {self.proc.returncode}: {self._log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError, OSError):
-                pass
-            time.sleep(0.2)
-        tail = self._log_tail()
-        self.close()
-        raise SpeclmError(f"llama-server did not answer within {_START_TIMEOUT_S:.0f} s: {tail}")
+        try:
+            wait_ready(self.proc, f"{self.url}/health", self._log_tail, _START_TIMEOUT_S,
+                       name="llama-server", error=SpeclmError)
+        except SpeclmError:
+            self.close()
+            raise
 
     def _log_tail(self) -> str:
         self.log.flush()
@@ -137,14 +120,8 @@ class LlamaServerProcess:
         return " | ".join(lines[-3:])[:300]
 
     def close(self) -> None:
-        proc = getattr(self, "proc", None)
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        if getattr(self, "proc", None) is not None:
+            stop(self.proc, timeout=10)
         if getattr(self, "log", None) is not None:
             self.log.close()
             Path(self.log.name).unlink(missing_ok=True)

@@ -8,24 +8,17 @@ if it does not go in time.
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-import httpx
+from ..child_process import free_port, stop, wait_ready
+
+__all__ = ["ServerProcess", "free_port", "serve_process", "stop", "wait_ready"]
 
 SRC = Path(__file__).resolve().parents[2]  # the folder holding the speclm package
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:
@@ -59,32 +52,3 @@ def serve_process(args: list[str], log_dir: Path, *, ready_timeout: float = 120.
         yield server
     finally:
         stop(proc)
-
-
-def wait_ready(proc: subprocess.Popen, url: str, output, timeout: float) -> None:
-    """Poll ``url`` until it answers 200; AssertionError with ``output()`` (the server's log) if
-    the process exits first or ``timeout`` seconds pass."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}:\n{output()}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError(f"server not ready after {timeout} s:\n{output()}")
-        time.sleep(0.2)
-
-
-def stop(proc: subprocess.Popen, timeout: float = 20.0) -> int:
-    """SIGTERM, then SIGKILL after ``timeout`` seconds; returns the exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-    return proc.returncode
