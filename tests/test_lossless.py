@@ -20,7 +20,7 @@ from scipy.stats import chisquare
 from speclm.draft_length import DraftLengthConfig
 from speclm.drafters import DraftModelDrafter, NgramDrafter
 from speclm.drafters.tree_search import TreeShape
-from speclm.drafters.auto import AutoDrafter, NoDrafter
+from speclm.drafters.auto import AutoDrafter
 from speclm.drafters.layer_skip import LayerSkipDrafter
 from speclm.drafters.recycle import RecycleDrafter
 from speclm.drafters.suffix import SuffixDrafter
@@ -63,7 +63,9 @@ def drafters(target_model, lm):
     draft_lm = backend(noisy_copy(target_model, 0.08, seed=3))
     unrelated = backend(tiny_model(VOCAB, seed=11))
     recycle, suffix = RecycleDrafter(VOCAB, 4), SuffixDrafter(capacity=256)
-    auto = AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 3), 6),
+    # no "none" candidate: auto's choice is timing-based, and on a slow machine it may rightly pick
+    # plain decoding, which would leave nothing accepted to check (choosing "none" is in test_auto)
+    auto = AutoDrafter({"ngram": (NgramDrafter(1, 3), 6),
                         "recycle": (RecycleDrafter(VOCAB, 4), 4),
                         "layerskip": (LayerSkipDrafter(lm, [2]), 3)}, probe_rounds=2, reprobe_every=12)
     return {
