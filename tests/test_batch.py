@@ -283,13 +283,89 @@ def test_policy_shrinks_the_draft_as_verification_gets_expensive():
     assert fixed.choose([3, 5], [0.1, 0.1]) == 5
 
 
-def test_sliding_window_models_are_refused():
-    from transformers import MistralConfig, MistralForCausalLM
+def sliding_model(kind):
+    """Tiny float64 models with sliding-window layers: Mistral (every layer, window 8, one mask)
+    and Gemma-3 (local and global layers, window 4, a mask per layer type)."""
+    torch.manual_seed(7)
+    if kind == "mistral":
+        from transformers import MistralConfig, MistralForCausalLM
 
-    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    with pytest.raises(SpeclmError, match="full-attention"):
-        BatchModel(backend(MistralForCausalLM(config).eval()), max_batch=2)
+        config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                               initializer_range=0.3)
+        return MistralForCausalLM(config).to(torch.float64).eval()
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                              layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                              max_position_embeddings=256, initializer_range=0.3)
+    return Gemma3ForCausalLM(config).to(torch.float64).eval()
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma3"])
+def test_sliding_window_rows_match_recomputation(kind):
+    """Rows far past the window, random appends and rollbacks: every logit equals a from-scratch
+    forward of the row's tokens on the one-row backend (transformers' own sliding masks)."""
+    model = sliding_model(kind)
+    lm, rows = backend(model), BatchModel(backend(model), max_batch=3)
+    assert rows.masks.window == (8 if kind == "mistral" else 4)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (3, 19, 11)]
+    rows.forward(slice(0, 3), torch.stack([torch.nn.functional.pad(s, (0, 19 - len(s))) for s in seqs]), 1)
+    rows.set_lengths(torch.tensor([len(s) for s in seqs]))
+    for _ in range(10):
+        width = int(torch.randint(1, 6, (1,), generator=gen))
+        fed = torch.randint(1, VOCAB, (3, width), generator=gen)
+        logits = rows.forward(slice(0, 3), fed, width).logits
+        keep = []
+        for b in range(3):
+            full = torch.cat([seqs[b], fed[b]])
+            lm.reset()
+            assert torch.allclose(logits[b], lm.forward(full, 0, num_logits=width).logits, atol=1e-10, rtol=0)
+            seqs[b] = full[: len(seqs[b]) + int(torch.randint(0, width + 1, (1,), generator=gen))]
+            keep.append(len(seqs[b]))
+        rows.set_lengths(torch.tensor(keep))
+
+
+def test_sliding_window_tree_rows_see_what_plain_decoding_sees():
+    """A token tree on a Gemma-3-style model past its window: each node's logits equal a plain
+    forward of the prompt and the node's path (the window counts positions, not cache slots), and
+    after keeping a path the next forward still does."""
+    from speclm.tree import TreeMeta
+
+    model = sliding_model("gemma3")
+    lm, rows = backend(model), BatchModel(backend(model), max_batch=1)
+    prompt = torch.arange(1, 13)
+    rows.forward(slice(0, 1), prompt[None, :-1], 1)
+    rows.set_lengths(torch.tensor([11]))
+    parents = [-1, -1, 0, 2, 3, 1]  # a chain of four under node 0, one more child of the root
+    nodes = torch.tensor([20, 21, 22, 23, 24, 25])
+    tree = TreeMeta.from_parents(parents)
+    logits = rows.forward(slice(0, 1), torch.cat([prompt[-1:], nodes])[None], 7, trees=[tree]).logits[0]
+    paths = {0: [], 1: [0], 2: [1], 3: [0, 2], 4: [0, 2, 3], 5: [0, 2, 3, 4], 6: [1, 5]}
+    for row, path in paths.items():  # row 0: the pending token; row i: node i - 1
+        lm.reset()
+        plain = lm.forward(torch.cat([prompt, nodes[path]]), 0).logits[-1]
+        assert torch.allclose(logits[row], plain, atol=1e-10, rtol=0), f"tree row {row}"
+    rows.cache.compact(0, 11, [0, 1, 3, 4, 5])  # pending, then nodes 0, 2, 3, 4
+    after = rows.forward(slice(0, 1), torch.tensor([[30]]), 1).logits[0, 0]
+    lm.reset()
+    path = torch.cat([prompt, nodes[[0, 2, 3, 4]], torch.tensor([30])])
+    assert torch.allclose(after, lm.forward(path, 0).logits[-1], atol=1e-10, rtol=0)
+
+
+def test_attention_the_ragged_cache_cannot_mask_is_refused():
+    from types import SimpleNamespace
+
+    from speclm.batch.model import mask_plan
+
+    chunked = SimpleNamespace(model_type="llama4", layer_types=["chunked_attention", "full_attention"])
+    with pytest.raises(SpeclmError, match="chunked_attention"):
+        mask_plan(chunked)
+    with pytest.raises(SpeclmError, match="window"):
+        mask_plan(SimpleNamespace(model_type="x", layer_types=["sliding_attention"], sliding_window=None))
+    assert mask_plan(SimpleNamespace(model_type="llama", layer_types=None, sliding_window=None)).window is None
 
 
 def test_ragged_tree_forward_and_compaction_match_one_row(target):

@@ -209,8 +209,8 @@ def test_one_token_prompt_joining_between_prefilling_rows(target):
 
 def test_gemma3_style_sliding_window_model_in_a_batch():
     """A tiny Gemma-3 text model (sliding-window and full layers, window 4) serves several rows
-    with prompts longer than the window (one handle per row: the ragged cache takes full
-    attention only); each row's greedy output equals its solo output."""
+    in one batched forward (the ragged cache with a sliding mask per local layer), with prompts
+    longer than the window; each row's greedy output equals its solo output."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(7)
@@ -223,6 +223,7 @@ def test_gemma3_style_sliding_window_model_in_a_batch():
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     solo = [run(lm, p, params)[0] for p in reqs]
     rows = make_rows(lm, 3)
+    assert isinstance(rows, RaggedRows)
     engine = Engine(rows, drafter_factory=lambda h: NgramDrafter(1, 3), draft_length=DraftLengthConfig(3),
                     prefill_chunk=8)
     out = drive(engine, {0: [(str(i), p, params) for i, p in enumerate(reqs)]})

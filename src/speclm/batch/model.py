@@ -2,10 +2,17 @@
 
 One forward feeds ``T`` tokens to each of ``B`` rows at the rows' own positions (explicit
 ``position_ids`` [B, T] and a 4D mask), so sequences of any lengths share one target forward.
-No forked model file: the model sees an ordinary ``Cache`` and an ordinary 4D attention mask.
+No forked model file: the model sees an ordinary ``Cache`` and ordinary 4D attention masks.
+
+Sliding-window layers (Gemma-3's local layers, Mistral's) keep every position in the ragged cache
+like full layers do; their mask additionally hides keys at or beyond the window, as transformers'
+own sliding mask does (query position p sees key positions p - window + 1 .. p). Models that
+declare ``layer_types`` get one mask per type (the dict transformers' hybrid models accept).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -17,20 +24,44 @@ from ..tree import TreeMeta
 from .cache import BatchKVCache
 
 
-def _check_full_attention(config) -> None:
-    layer_types = set(getattr(config, "layer_types", None) or [])
-    if getattr(config, "sliding_window", None) or layer_types - {"full_attention"}:
-        raise SpeclmError(
-            f"batched serving supports full-attention models; {config.model_type} has "
-            f"{', '.join(sorted(layer_types - {'full_attention'})) or 'sliding-window'} layers"
-        )
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+@dataclass(frozen=True)
+class MaskPlan:
+    """Which masks a model's forward takes: ``window`` is None for full attention only;
+    ``by_type``: a dict of masks keyed by layer type (hybrid models), else one mask for all."""
+
+    window: int | None
+    by_type: bool
+
+
+def mask_plan(config) -> MaskPlan:
+    """Read the attention layer kinds of ``config``; refuse kinds the ragged cache cannot mask
+    (chunked or linear attention, per-layer windows), so callers fall back to one handle per row."""
+    declared = list(getattr(config, "layer_types", None) or [])
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "attention_chunk_size", None):
+        raise SpeclmError(f"batched rows support full and sliding-window attention; "
+                          f"{config.model_type} has chunked attention layers")
+    if not declared:  # one kind for every layer (Mistral: sliding when a window is set)
+        return MaskPlan(window=int(window) if window else None, by_type=False)
+    other = set(declared) - {SLIDING, FULL}
+    if other:
+        raise SpeclmError(f"batched rows support full and sliding-window attention; "
+                          f"{config.model_type} has {', '.join(sorted(other))} layers")
+    if SLIDING not in declared:
+        return MaskPlan(window=None, by_type=False)
+    if not isinstance(window, int) or window < 1:
+        raise SpeclmError(f"{config.model_type} declares sliding-window layers without one window size")
+    return MaskPlan(window=window, by_type=True)
 
 
 class BatchModel:
     """The target model plus a ragged batch cache of ``max_batch`` rows."""
 
     def __init__(self, target: HFCausalLM, max_batch: int) -> None:
-        _check_full_attention(target.model.config)
+        self.masks = mask_plan(target.model.config)
         self.model = target.model
         self.device = target.device
         self.dtype = target.dtype
@@ -75,7 +106,7 @@ class BatchModel:
         layers = None if isinstance(return_hidden, bool) else list(return_hidden)
         out = self.model(
             input_ids=token_ids.to(self.device),
-            attention_mask=mask,
+            attention_mask=self._masks(mask, slots, positions, trees),
             position_ids=positions.to(self.device),
             **{cache_kwarg(self.model): self.cache},
             use_cache=True,
@@ -87,3 +118,22 @@ class BatchModel:
     def set_lengths(self, lengths: torch.Tensor) -> None:
         """Commit ``lengths`` ([B]) positions for the rows of the last forward."""
         self.cache.commit(lengths)
+
+    def _masks(self, mask: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+               trees: list[TreeMeta | None] | None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The full-attention ``mask`` [B, 1, T, L], plus its sliding-window form where the model
+        has such layers: a key is hidden when its position is ``window`` or more before the
+        query's. Positions, not slots: a tree node's position is its root's plus its depth, and
+        so is that of the node it reads (so a verified path sees what plain decoding would)."""
+        window = self.masks.window
+        if window is None:
+            return mask
+        key_pos = torch.arange(mask.shape[-1]).expand(mask.shape[0], -1).clone()  # [B, L] slot = position
+        if trees is not None:
+            for b, tree in enumerate(trees):
+                if tree is not None:
+                    root = int(slots[b, 0])
+                    key_pos[b, root : root + tree.num_nodes + 1] = positions[b, : tree.num_nodes + 1]
+        far = positions.unsqueeze(-1) - key_pos.unsqueeze(1) >= window  # [B, T, L]
+        sliding = mask.masked_fill(far.unsqueeze(1).to(mask.device), torch.finfo(mask.dtype).min)
+        return {FULL: mask, SLIDING: sliding} if self.masks.by_type else sliding
