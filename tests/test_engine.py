@@ -24,6 +24,7 @@ from speclm.drafters.auto import AutoDrafter, NoDrafter
 from speclm.drafters.layer_skip import LayerSkipDrafter
 from speclm.drafters.eagle import EagleDrafter
 from speclm.drafters.medusa import MedusaDrafter, best_static_tree
+from speclm.drafters.draft_rows import DraftRows
 from speclm.drafters.tree_search import TreeShape
 from speclm.learned.modules import EagleHead, MedusaHeads
 from speclm.engine import Engine
@@ -54,6 +55,9 @@ def row_drafters(target_model):
         "draft-model": lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB),
         "draft-model-p_min": lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB, p_min=0.05),
         "draft-model-tree": lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB, tree=TreeShape(top_k=3, budget=10)),
+        # one draft forward per depth for all rows (8 slots: more than any test's batch)
+        "draft-rows": lambda h, g=DraftRows(draft_lm, VOCAB, 8): g.member(),
+        "draft-rows-p_min": lambda h, g=DraftRows(draft_lm, VOCAB, 8, p_min=0.05): g.member(),
         "layerskip": lambda h: LayerSkipDrafter(h, [1, 2]),
         "early-exit": lambda h: LayerSkipDrafter.early_exit(h, 2),
         "auto": lambda h: AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 3), 6),
@@ -121,11 +125,14 @@ def test_every_drafter_in_a_batch_equals_solo_greedy(target, workload, kind, nam
     assert not engine.running
 
 
+@pytest.mark.parametrize("drafts", ["per-row", "batched"])
 @pytest.mark.parametrize("kind", ["ragged", "slots"])
-def test_seeded_sampled_rows_next_to_greedy_rows_equal_solo(target, kind):
-    """A draft model's sampled drafts: a seeded row's tokens do not depend on its neighbours."""
+def test_seeded_sampled_rows_next_to_greedy_rows_equal_solo(target, kind, drafts):
+    """A draft model's sampled drafts, drafted row by row or in one batched draft forward per
+    depth: a seeded row's tokens do not depend on its neighbours."""
     lm = backend(target)
     draft_lm = backend(noisy_copy(target, 0.08, seed=3))
+    group = DraftRows(draft_lm.fork(), VOCAB, 6)
     reqs = prompts(6, seed=13)
     params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=50 + i, ignore_eos=True)
               if i % 2 else SamplingParams(max_tokens=24, ignore_eos=True) for i in range(len(reqs))]
@@ -133,19 +140,23 @@ def test_seeded_sampled_rows_next_to_greedy_rows_equal_solo(target, kind):
     solo = [run(lm, p, sp, DraftModelDrafter(draft_lm.fork(), VOCAB), config,
                 sp.make_generator())[0] for p, sp in zip(reqs, params)]
     rows = make_rows(lm, 6, needs_layers=kind == "slots")
-    engine = Engine(rows, drafter_factory=lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB),
-                    draft_length=config)
+    factory = (lambda h: group.member()) if drafts == "batched" else (lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB))
+    engine = Engine(rows, drafter_factory=factory, draft_length=config)
     out = drive(engine, {0: [(str(i), p, sp) for i, (p, sp) in enumerate(zip(reqs, params))]})
     assert [out[str(i)][0] for i in range(len(reqs))] == solo
 
 
-def test_draft_model_rows_in_a_batch_match_the_target_distribution():
-    """Sampled drafts (q from the draft model) verified in batches of 24 rows, two prompts of
-    different lengths so the rows are ragged: the sequences follow the target exactly."""
+@pytest.mark.parametrize("drafts", ["per-row", "batched"])
+def test_draft_model_rows_in_a_batch_match_the_target_distribution(drafts):
+    """Sampled drafts (q from the draft model, drafted row by row or all rows in one draft
+    forward per depth) verified in batches of 24 rows, two prompts of different lengths so the
+    rows are ragged: the sequences follow the target exactly."""
     vocab, length, n = 5, 3, 1500
     target_model, lm, params, prompt, expected = sampling_setup(vocab, length)
     draft_lm = backend(noisy_copy(target_model, 0.3, seed=4))
-    engine = Engine(make_rows(lm, 24), drafter_factory=lambda h: DraftModelDrafter(draft_lm.fork(), vocab),
+    group = DraftRows(draft_lm, vocab, 24)
+    factory = (lambda h: group.member()) if drafts == "batched" else (lambda h: DraftModelDrafter(draft_lm.fork(), vocab))
+    engine = Engine(make_rows(lm, 24), drafter_factory=factory,
                     draft_length=DraftLengthConfig(2, 0, adaptive=False))
     other = torch.cat([prompt, prompt])
     out = drive(engine, {0: [(f"r{i}", prompt if i % 4 else other, replace(params, seed=i))
@@ -228,3 +239,45 @@ def test_gemma3_style_sliding_window_model_in_a_batch():
                     prefill_chunk=8)
     out = drive(engine, {0: [(str(i), p, params) for i, p in enumerate(reqs)]})
     assert [out[str(i)][0] for i in range(len(reqs))] == solo
+
+
+def test_batched_draft_rows_draft_what_one_row_drafts(target, workload):
+    """A draft model drafting all rows in one forward per depth proposes, at every round of
+    every request, exactly the tokens a one-row draft model proposes there (so its per-row
+    cache, catch-up and rollback are right: greedy verification alone would hide a wrong draft),
+    and makes at most 2 + K draft forwards per step however many rows draft."""
+    reqs, lengths, solo = workload
+    draft_lm = backend(noisy_copy(target, 0.08, seed=3))
+    seen: dict[str, dict[tuple, list[int]]] = {"rows": {}, "one": {}}
+    calls = []
+
+    class Recording(DraftRows):
+        def _forward(self, count, fed, logits):
+            calls[-1][1] += 1
+            return super()._forward(count, fed, logits)
+
+        def propose_rows(self, members, ctxs):
+            calls.append([len(members), 0])
+            drafts = super().propose_rows(members, ctxs)
+            for ctx, d in zip(ctxs, drafts):
+                seen["rows"][tuple(ctx.token_ids.tolist())] = d.tokens.tolist()
+            return drafts
+
+    class OneRow(DraftModelDrafter):
+        def propose(self, ctx):
+            draft = super().propose(ctx)
+            seen["one"][tuple(ctx.token_ids.tolist())] = draft.tokens.tolist()
+            return draft
+
+    group = Recording(draft_lm, VOCAB, 4)
+    config = DraftLengthConfig(4, 0, adaptive=False)  # no timing: both runs draft the same rounds
+    for name, factory in (("rows", lambda h: group.member()), ("one", lambda h: OneRow(draft_lm.fork(), VOCAB))):
+        engine = Engine(make_rows(backend(target), 4), drafter_factory=factory, draft_length=config)
+        arrivals = {0: [(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
+                        for i, (p, m) in enumerate(zip(reqs, lengths))]}
+        out = drive(engine, arrivals)
+        assert [out[str(i)][0] for i in range(len(reqs))] == solo
+    assert seen["rows"] == seen["one"] and len(seen["rows"]) > 20
+    assert max(rows for rows, _ in calls) == 4
+    assert all(forwards <= 2 + 4 for _, forwards in calls)
+    assert group._owners == [None] * 4  # every request gave its slot back

@@ -44,7 +44,13 @@ def solo(model_dirs):
 
 
 @pytest.mark.parametrize("drafter", ["suffix", "draft", "eagle"])
-def test_server_with_a_drafter_answers_like_plain_decoding(drafter, model_dirs, eagle_dir, solo):
+def test_server_with_a_drafter_answers_like_plain_decoding(drafter, model_dirs, eagle_dir, solo, monkeypatch):
+    from speclm.drafters.draft_rows import DraftRows
+
+    batched: list[int] = []  # rows per batched draft call (a draft model drafts all rows at once)
+    propose_rows = DraftRows.propose_rows
+    monkeypatch.setattr(DraftRows, "propose_rows",
+                        lambda self, members, ctxs: batched.append(len(members)) or propose_rows(self, members, ctxs))
     spec = {"suffix": "suffix", "draft": f"draft:path={model_dirs['draft']}",
             "eagle": f"eagle:path={eagle_dir},tree=3"}[drafter]
     opts = ServeOptions(model=str(model_dirs["target"]), dtype="float64", max_batch=4, max_queue=4,
@@ -71,5 +77,6 @@ def test_server_with_a_drafter_answers_like_plain_decoding(drafter, model_dirs, 
             assert answers[i].choices[0].message.content == expected, f"{drafter}: request {i}"
             assert answers[i].model_extra["speclm"]["drafter"].startswith(spec.partition(":")[0])
         assert sum(a.model_extra["speclm"]["drafted_tokens"] for a in answers.values()) > 0
+        assert bool(batched) == (drafter == "draft")
         metrics = http.get("/metrics").text
         assert f'speclm_drafter_requests_total{{drafter="{answers[0].model_extra["speclm"]["drafter"]}"}} 4.0' in metrics

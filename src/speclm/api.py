@@ -17,12 +17,14 @@ from .cost_model import WIDTHS, CostModel, cost_model, model_file
 from .detokenize import IncrementalDetokenizer
 from .draft_length import DraftLengthConfig
 from .drafters import DraftModelDrafter, Drafter, check_vocab_compatible
+from .drafters.draft_rows import DraftRows
 from .drafters.registry import KINDS, BuildContext, build_drafter, drafter_label, is_drafter_spec, parse_drafter
 from .drafters.tree_search import TreeShape
 from .engine import generate_tokens
 from .errors import SpeclmError
 from .models import LoadedModel, load_model
 from .models.base import CausalLM
+from .models.hf import HFCausalLM
 from .models.loading import resolve_model_path
 from .sampling import SamplingParams
 from .specs import OptionString
@@ -198,16 +200,21 @@ class LLM:
         async_fanout: int = 8,
         ngram_min: int = 2,
         ngram_max: int = 3,
+        max_batch: int = 1,
     ) -> RowDrafters:
         """A drafter spec (as in the constructor) checked once, and a factory that builds a
         drafter of it for each row of a batch (speclm.engine): ``factory(handle)`` gets the
         row's own target handle (self-drafting runs the target's layers on that row's cache) and
-        shares every loaded weight (draft models, trained heads) with the drafters before it."""
+        shares every loaded weight (draft models, trained heads) with the drafters before it.
+        With ``max_batch`` > 1, chain drafts of an eager-torch draft model come from one group
+        of ``max_batch`` rows that drafts every row in one forward per depth
+        (drafters/draft_rows.py)."""
         spec = self._drafter_spec(speculative_model, draft_p_min, ngram_min, ngram_max, async_draft,
                                   async_fanout)
         k = KINDS[spec.name].default_k if num_speculative_tokens is None else num_speculative_tokens
         draft_length = DraftLengthConfig(k, draft_min, adaptive_draft)  # checked before building
         loaded: dict[str, object] = {}  # draft models by path, loaded once and forked per row
+        groups: dict[tuple[str, float], DraftRows | None] = {}  # batched draft rows per draft
 
         def load_draft(path: str, p_min: float, tree: TreeShape | None = None, *,
                        make: Callable[[], CausalLM] | None = None) -> DraftModelDrafter:
@@ -216,6 +223,14 @@ class LLM:
             if path not in loaded:
                 loaded[path] = make() if make is not None else self._load_draft_backend(path)
             backend = loaded[path]
+            if max_batch > 1 and tree is None and type(backend) is HFCausalLM:
+                if (path, p_min) not in groups:
+                    try:
+                        groups[path, p_min] = DraftRows(backend, self.target.vocab_size, max_batch, p_min)
+                    except SpeclmError:  # attention layers the ragged cache cannot batch
+                        groups[path, p_min] = None
+                if groups[path, p_min] is not None:
+                    return groups[path, p_min].member()
             return DraftModelDrafter(backend.fork() if built else backend, self.target.vocab_size,
                                      p_min=p_min, tree=tree)
 

@@ -280,8 +280,34 @@ class Engine:
         return self._drafter_draft(seq)
 
     def _drafter_draft(self, seq: Sequence) -> tuple[Draft, bool]:
-        if seq.policy is None:
+        ctx = self._ask(seq)
+        if ctx is None:
             return Draft.empty(), False
+        return self._checked(seq, seq.drafter.propose(ctx), ctx.max_tokens), True
+
+    def _proposals(self, batch: list[Sequence]) -> list[tuple[Draft, bool]]:
+        """Each row's draft, and whether its drafter was asked. Rows whose drafters share a
+        ``batch_group`` (a draft model's rows: drafters/draft_rows.py) draft in one call."""
+        shared: dict[int, list[int]] = {}
+        asks: dict[int, DraftContext | None] = {}
+        for b, seq in enumerate(batch):
+            group = getattr(seq.drafter, "batch_group", None)
+            if group is not None and seq.grammar is None:
+                asks[b] = ctx = self._ask(seq)
+                if ctx is not None:
+                    shared.setdefault(id(group), []).append(b)
+        found: dict[int, tuple[Draft, bool]] = {b: (Draft.empty(), False) for b, ctx in asks.items() if ctx is None}
+        for rows in shared.values():
+            group = batch[rows[0]].drafter.batch_group
+            drafts = group.propose_rows([batch[b].drafter for b in rows], [asks[b] for b in rows])
+            for b, draft in zip(rows, drafts):
+                found[b] = self._checked(batch[b], draft, asks[b].max_tokens), True
+        return [found[b] if b in found else self._propose(seq) for b, seq in enumerate(batch)]
+
+    def _ask(self, seq: Sequence) -> DraftContext | None:
+        """What the row's drafter is asked to draft this step (None: a plain step)."""
+        if seq.policy is None:
+            return None
         cfg = self.draft_length
         if seq.fixed_draft:
             k_max = cfg.draft_max  # never from timing: a seed gives the same tokens every time
@@ -289,17 +315,19 @@ class Engine:
             k_max = seq.policy.next_k(getattr(seq.drafter, "probing", False))
         k_max = min(k_max, seq.budget - 1)
         if k_max <= 0:
-            return Draft.empty(), False
-        draft = seq.drafter.propose(DraftContext(seq.committed, k_max, seq.params, seq.generator))
+            return None
+        return DraftContext(seq.committed, k_max, seq.params, seq.generator)
+
+    def _checked(self, seq: Sequence, draft: Draft, k_max: int) -> Draft:
         if draft.depth > k_max:
             raise RuntimeError(f"{type(seq.drafter).__name__} proposed a draft of depth "
                                f"{draft.depth}, more than the {k_max} it was asked for")
         # Dropping a short draft is only lossless when the draft is a function of the context
         # (greedy or prompt lookup). A sampled draft's length depends on its own draws, so
         # dropping it would skew the accepted tokens: verify it anyway.
-        if draft.depth < cfg.draft_min and draft.q_draft is None:
-            draft = Draft.empty()
-        return draft, True
+        if draft.depth < self.draft_length.draft_min and draft.q_draft is None:
+            return Draft.empty()
+        return draft
 
     def _cap(self, batch: list[Sequence], drafts: list[Draft], report: StepReport) -> list[Draft]:
         """With several rows, cap deterministic chains by the batch's measured step cost.
@@ -312,7 +340,7 @@ class Engine:
 
     def _decode(self, batch: list[Sequence], report: StepReport) -> list[SeqOutput]:
         t0 = time.perf_counter()
-        proposals = [self._propose(seq) for seq in batch]
+        proposals = self._proposals(batch)
         drafts = [d for d, _ in proposals]
         report.longest_draft = max(d.depth for d in drafts)
         if len(batch) > 1 and self.batch_policy is not None and report.longest_draft:

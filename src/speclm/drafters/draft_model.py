@@ -39,6 +39,25 @@ def check_vocab_compatible(target_tokenizer: object, draft_tokenizer: object) ->
     )
 
 
+def choose_draft_token(logits: torch.Tensor, ctx: DraftContext,
+                       p_min: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One chain position's draft token from the draft's ``logits`` [1, V]: the argmax for a
+    greedy request (q one-hot, not returned), else a draw from q = warp(logits) with the
+    target's warp and the request's generator (q [1, V] returned for the verifier). None when
+    ``p_min > 0`` and the top probability is below it (one host sync, so only when asked)."""
+    params = ctx.params
+    if params.greedy:
+        q, token = None, logits.argmax(-1)  # [1]
+    else:
+        q = warp_probs(logits, params)  # [1, V], the same warp as the target's p
+        token = sample_token(q, ctx.generator)
+    if p_min > 0:
+        confidence = q if q is not None else torch.softmax(logits.float(), -1)
+        if float(confidence.max()) < p_min:
+            return None
+    return token, q
+
+
 def draft_chain(
     logits: torch.Tensor,
     max_tokens: int,
@@ -49,32 +68,36 @@ def draft_chain(
     """Draft up to ``max_tokens`` tokens autoregressively, one model call per token after the first.
 
     ``logits`` [1, V] predict the first draft token; ``step(token [1], i)`` feeds draft token i
-    (0-based) to the model and returns the logits [1, V] for token i + 1. Greedy requests take
-    the argmax (q is then one-hot and not returned); sampling draws from q = warp(logits) with
-    the target's warp and returns the q rows for the verifier. ``p_min > 0`` stops at the first
-    token whose top probability is below it (one host sync per token, so only when asked).
+    (0-based) to the model and returns the logits [1, V] for token i + 1. Each token is chosen
+    by :func:`choose_draft_token`; sampled chains return their q rows for the verifier.
     """
-    params = ctx.params
     tokens: list[torch.Tensor] = []  # each [1]
     q_rows: list[torch.Tensor] = []  # each [1, V]; sampling only (greedy needs no q)
     for i in range(max_tokens):
-        if params.greedy:
-            q, token = None, logits.argmax(-1)  # [1]
-        else:
-            q = warp_probs(logits, params)  # [1, V], the same warp as the target's p
-            token = sample_token(q, ctx.generator)
-        if p_min > 0:
-            confidence = q if q is not None else torch.softmax(logits.float(), -1)
-            if float(confidence.max()) < p_min:
-                break
-        tokens.append(token)
-        if q is not None:
-            q_rows.append(q)
+        chosen = choose_draft_token(logits, ctx, p_min)
+        if chosen is None:
+            break
+        tokens.append(chosen[0])
+        if chosen[1] is not None:
+            q_rows.append(chosen[1])
         if i + 1 < max_tokens:
-            logits = step(token, i)
+            logits = step(chosen[0], i)
+    return chain_draft(tokens, q_rows, logits.device)
+
+
+def chain_draft(tokens: list[torch.Tensor], q_rows: list[torch.Tensor], device: torch.device) -> Draft:
+    """The Draft of a chain drafted a token at a time (tokens [1] each, q rows [1, V] each)."""
     if not tokens:
-        return Draft.empty(logits.device)
+        return Draft.empty(device)
     return Draft(torch.cat(tokens), torch.cat(q_rows) if q_rows else None)  # [k], q: [k, V]
+
+
+def fit_vocab(logits: torch.Tensor, target_vocab_size: int) -> torch.Tensor:
+    """[N, V_draft] -> [N, V_target]: padded embedding rows differ between checkpoints."""
+    extra = target_vocab_size - logits.shape[-1]
+    if extra > 0:
+        return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+    return logits[..., :target_vocab_size]
 
 
 class DraftModelDrafter:
@@ -108,11 +131,7 @@ class DraftModelDrafter:
             self._synced = usable
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """[1, V_draft] -> [1, V_target]: padded embedding rows differ between checkpoints."""
-        extra = self.target_vocab_size - logits.shape[-1]
-        if extra > 0:
-            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
-        return logits[:, : self.target_vocab_size]
+        return fit_vocab(logits, self.target_vocab_size)
 
     def propose(self, ctx: DraftContext) -> Draft:
         ids = ctx.token_ids  # [n]

@@ -108,7 +108,8 @@ def build_app(opts: ServeOptions):
     if spec is not None:  # one drafter per request, sharing the loaded weights
         rows_drafters = llm.row_drafters(
             spec, opts.draft_max, draft_min=opts.draft_min, adaptive_draft=opts.adaptive,
-            async_draft=opts.async_draft, async_fanout=opts.fanout, ngram_min=opts.ngram_min, ngram_max=opts.ngram_max)
+            async_draft=opts.async_draft, async_fanout=opts.fanout, ngram_min=opts.ngram_min, ngram_max=opts.ngram_max,
+            max_batch=opts.max_batch)
         parsed = parse_drafter(spec)
         needs_layers = KINDS[parsed.name].needs == "layers"  # a single-row cache per row
         needs_trees = bool(parsed.options.get("tree"))  # llama.cpp batches chains only

@@ -1,0 +1,64 @@
+"""DraftRows' slots and refusals (its drafts are checked against a one-row draft model in
+tests/test_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from speclm.drafters.base import DraftContext
+from speclm.drafters.draft_rows import DraftRows
+from speclm.errors import SpeclmError
+from speclm.sampling import SamplingParams
+
+from .conftest import backend, tiny_model
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return backend(tiny_model(VOCAB, seed=4))
+
+
+def ctx(tokens, k=3):
+    return DraftContext(torch.tensor(tokens), k, SamplingParams(), torch.Generator())
+
+
+def test_members_take_free_slots_and_give_them_back(draft):
+    group = DraftRows(draft, VOCAB, 2)
+    a, b, c = group.member(), group.member(), group.member()
+    a.reset(torch.tensor([1, 2, 3]))
+    b.reset(torch.tensor([4, 5]))
+    with pytest.raises(SpeclmError, match="all 2 draft rows are in use"):
+        c.reset(torch.tensor([6]))
+    a.finish()
+    c.reset(torch.tensor([6, 7]))
+    assert {b.slot, c.slot} == {0, 1} and a.slot is None
+    drafts = group.propose_rows([c, b], [ctx([6, 7]), ctx([4, 5])])  # c moves to slot 0
+    assert (c.slot, b.slot) == (0, 1) and [d.num_tokens for d in drafts] == [3, 3]
+    del c  # a member dropped without finish(): its slot is free again
+    a.reset(torch.tensor([1]))
+    assert a.slot == 0
+
+
+def test_refusals(draft):
+    group = DraftRows(draft, VOCAB, 2)
+    m = group.member()
+    with pytest.raises(SpeclmError, match="reset"):
+        m.propose(ctx([1, 2]))
+    m.reset(torch.tensor([1, 2]))
+    with pytest.raises(SpeclmError, match="distinct"):
+        group.propose_rows([m, m], [ctx([1, 2]), ctx([1, 2])])
+    with pytest.raises(SpeclmError, match="p_min"):
+        DraftRows(draft, VOCAB, 2, p_min=1.0)
+
+
+def test_a_row_past_the_drafts_context_drafts_nothing(draft):
+    group = DraftRows(draft, VOCAB, 2)
+    near, far = group.member(), group.member()
+    group.max_context = 6  # positions up to total + K - 2 must fit
+    near.reset(torch.tensor([1, 2]))
+    far.reset(torch.tensor([1, 2, 3, 4, 5]))
+    drafts = group.propose_rows([near, far], [ctx([1, 2], k=4), ctx([1, 2, 3, 4, 5, 6, 7], k=4)])
+    assert drafts[0].num_tokens == 4 and drafts[1].num_tokens == 0
