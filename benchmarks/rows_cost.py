@@ -1,12 +1,14 @@
 """Cost of one engine step over B rows x T tokens: one forward per row against one batched forward.
 
-The engine runs a batch through a backend's rows (speclm.models.rows): llama.cpp's rows either
-as one context per row, run in turn (``SlotRows``), or as sequence ids of one context in one
-``llama_decode`` (``LlamaCppRows``). This times both on the same model, interleaved, each row
-at its own context length (a prompt of ``--context`` tokens plus a few per row), feeding T
-tokens per row and cutting them off again as a rejected draft would be:
+The engine runs a batch through a backend's rows (speclm.models.rows): one single-row handle
+per row, run in turn (``SlotRows``), or one batched forward: on llama.cpp the rows as sequence
+ids of one context in one ``llama_decode`` (``LlamaCppRows``), on eager torch one transformers
+forward over a ragged cache (``RaggedRows``; sliding-window models such as Gemma-3 included).
+This times both on the same model, interleaved, each row at its own context length (a prompt of
+``--context`` tokens plus a few per row), feeding T tokens per row and cutting them off again as
+a rejected draft would be:
 
-    python benchmarks/rows_cost.py [--model default] [--rows 1 2 4 8 16] [--widths 1 4 8]
+    python benchmarks/rows_cost.py [--model default] [--backend llamacpp|torch] [--rows 1 2 4 8 16] [--widths 1 4 8]
 
 Prints median milliseconds per step, the batched form's speedup, and the cost per row-token
 relative to a one-row, one-token step.
@@ -22,7 +24,7 @@ import time
 import torch
 
 from speclm.models import load_model
-from speclm.models.rows import SlotRows
+from speclm.models.rows import RaggedRows, SlotRows
 
 
 def step(rows, batch: int, width: int, tokens: torch.Tensor) -> float:
@@ -43,10 +45,12 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--context", type=int, default=200, help="prompt tokens per row")
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--backend", choices=["llamacpp", "torch"], default="llamacpp")
     args = ap.parse_args()
-    target = load_model(args.model, backend="llamacpp").backend
+    target = load_model(args.model, backend=args.backend).backend
     most = max(args.rows)
-    kinds = {"one context per row": SlotRows(target, most), "one llama_decode": target.batched_rows(most)}
+    batched = target.batched_rows(most) if args.backend == "llamacpp" else RaggedRows(target, most)
+    kinds = {"one handle per row": SlotRows(target, most), "one batched forward": batched}
     gen = torch.Generator().manual_seed(0)
     for rows in kinds.values():  # every row at its own length
         for b in range(most):
@@ -54,9 +58,9 @@ def main() -> None:
             rows.forward(range(b, b + 1), prompt, [prompt.shape[1]], logits=False)
             rows.keep(b, prompt.shape[1], [])
     print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"model {args.model}, context {args.context}+")
-    print("| rows | tokens per row | one context per row (ms) | one llama_decode (ms) | speedup | "
-          "cost per row-token (one llama_decode, x a 1-token step) |")
+          f"model {args.model}, {args.backend} ({type(batched).__name__}), context {args.context}+")
+    print("| rows | tokens per row | one handle per row (ms) | one batched forward (ms) | speedup | "
+          "cost per row-token (batched, x a 1-token step) |")
     print("|---:|---:|---:|---:|---:|---:|")
     base = None
     for width in args.widths:
@@ -67,11 +71,11 @@ def main() -> None:
                 for name, rows in kinds.items():  # interleaved
                     times[name].append(step(rows, batch, width, tokens))
             med = {name: statistics.median(t[2:]) * 1e3 for name, t in times.items()}
-            slot, batched = med["one context per row"], med["one llama_decode"]
+            per_row, together = med["one handle per row"], med["one batched forward"]
             if base is None and batch == 1 and width == 1:
-                base = slot
-            per_token = f"{batched / (batch * width) / base:.2f}" if base else "-"
-            print(f"| {batch} | {width} | {slot:.1f} | {batched:.1f} | {slot / batched:.2f}x | {per_token} |",
+                base = per_row
+            per_token = f"{together / (batch * width) / base:.2f}" if base else "-"
+            print(f"| {batch} | {width} | {per_row:.1f} | {together:.1f} | {per_row / together:.2f}x | {per_token} |",
                   flush=True)
 
 
