@@ -151,7 +151,7 @@ def test_draft_model_rows_in_a_batch_match_the_target_distribution(drafts):
     """Sampled drafts (q from the draft model, drafted row by row or all rows in one draft
     forward per depth) verified in batches of 24 rows, two prompts of different lengths so the
     rows are ragged: the sequences follow the target exactly."""
-    vocab, length, n = 5, 3, 1500
+    vocab, length, n = 5, 3, 1200
     target_model, lm, params, prompt, expected = sampling_setup(vocab, length)
     draft_lm = backend(noisy_copy(target_model, 0.3, seed=4))
     group = DraftRows(draft_lm, vocab, 24)

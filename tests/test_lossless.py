@@ -170,7 +170,7 @@ def test_sampling_matches_target_distribution(kind):
     """Three tokens per request with K = 2, so one round can accept both drafts plus a bonus.
     Learners (recycling, suffix, auto) keep their state from request to request: each draft is
     a function of what came before, which is all losslessness asks."""
-    vocab, length, n = 5, 3, 2500
+    vocab, length, n = 5, 3, 1500
     target_model, lm, params, prompt, expected = sampling_setup(vocab, length)
     config = DraftLengthConfig(draft_max=2)
     if kind.startswith("draft-model"):  # a sharp, biased draft: adversarial q

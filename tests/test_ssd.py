@@ -69,7 +69,7 @@ def test_draft_equal_to_target_accepts_everything_and_predicts_the_bonus(target)
 def test_sampling_matches_target_distribution():
     from itertools import product
 
-    vocab, length, n = 5, 3, 2000
+    vocab, length, n = 5, 3, 1500
     model = tiny_model(vocab, seed=20)
     lm = backend(model)
     params = SamplingParams(temperature=1.0, top_k=4, max_tokens=length, ignore_eos=True)

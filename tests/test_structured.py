@@ -205,7 +205,7 @@ class FixedQDrafter:
 
 @pytest.mark.parametrize("kind", ["fixed-q", "draft-model-tree", "ngram"])
 def test_constrained_sampling_matches_the_masked_target_distribution(kind):
-    vocab, n = 5, 2000
+    vocab, n = 5, 1500
     tokenizer = letters()
     target = tiny_model(vocab, seed=20)
     lm = backend(target)
