@@ -161,28 +161,30 @@ def test_eos_and_context_end_requests(target):
         engine.add("empty", [], SamplingParams())
 
 
-def test_ragged_cache_matches_recomputation(target):
-    """Random per-row appends and rollbacks; every logit equals a from-scratch forward."""
-    lm = backend(target)
-    model = BatchModel(backend(target), max_batch=3)
-    gen = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (3, 9, 5)]
-    model.forward(slice(0, 3), torch.stack([torch.nn.functional.pad(s, (0, 9 - len(s))) for s in seqs]), 1)
-    model.set_lengths(torch.tensor([len(s) for s in seqs]))
-    for _ in range(12):
+def check_against_recomputation(model, lengths, steps, seed):
+    """Random per-row appends and rollbacks on a ragged batch of ``model``: every logit equals a
+    from-scratch forward of the row's tokens on the one-row backend."""
+    lm, rows = backend(model), BatchModel(backend(model), max_batch=len(lengths))
+    gen = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in lengths]
+    batch = slice(0, len(seqs))
+    rows.forward(batch, torch.stack([torch.nn.functional.pad(s, (0, max(lengths) - len(s))) for s in seqs]), 1)
+    rows.set_lengths(torch.tensor(lengths))
+    for _ in range(steps):
         width = int(torch.randint(1, 6, (1,), generator=gen))
-        fed = torch.randint(1, VOCAB, (3, width), generator=gen)
-        logits = model.forward(slice(0, 3), fed, width).logits
-        keep = []
-        for b in range(3):
+        fed = torch.randint(1, VOCAB, (len(seqs), width), generator=gen)
+        logits = rows.forward(batch, fed, width).logits
+        for b in range(len(seqs)):
             full = torch.cat([seqs[b], fed[b]])
             lm.reset()
-            expected = lm.forward(full, 0, num_logits=width).logits
-            assert torch.allclose(logits[b], expected, atol=1e-10, rtol=0)
-            kept = int(torch.randint(0, width + 1, (1,), generator=gen))  # ragged rollback
-            seqs[b] = full[: len(seqs[b]) + kept]
-            keep.append(len(seqs[b]))
-        model.set_lengths(torch.tensor(keep))
+            assert torch.allclose(logits[b], lm.forward(full, 0, num_logits=width).logits, atol=1e-10, rtol=0)
+            seqs[b] = full[: len(seqs[b]) + int(torch.randint(0, width + 1, (1,), generator=gen))]  # ragged rollback
+        rows.set_lengths(torch.tensor([len(q) for q in seqs]))
+    return rows
+
+
+def test_ragged_cache_matches_recomputation(target):
+    check_against_recomputation(target, (3, 9, 5), steps=12, seed=0)
 
 
 def test_rows_move_when_requests_leave(target):
@@ -305,27 +307,9 @@ def sliding_model(kind):
 
 @pytest.mark.parametrize("kind", ["mistral", "gemma3"])
 def test_sliding_window_rows_match_recomputation(kind):
-    """Rows far past the window, random appends and rollbacks: every logit equals a from-scratch
-    forward of the row's tokens on the one-row backend (transformers' own sliding masks)."""
-    model = sliding_model(kind)
-    lm, rows = backend(model), BatchModel(backend(model), max_batch=3)
+    """Rows far past the window (transformers' own sliding masks on the one-row backend)."""
+    rows = check_against_recomputation(sliding_model(kind), (3, 19, 11), steps=10, seed=1)
     assert rows.masks.window == (8 if kind == "mistral" else 4)
-    gen = torch.Generator().manual_seed(1)
-    seqs = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (3, 19, 11)]
-    rows.forward(slice(0, 3), torch.stack([torch.nn.functional.pad(s, (0, 19 - len(s))) for s in seqs]), 1)
-    rows.set_lengths(torch.tensor([len(s) for s in seqs]))
-    for _ in range(10):
-        width = int(torch.randint(1, 6, (1,), generator=gen))
-        fed = torch.randint(1, VOCAB, (3, width), generator=gen)
-        logits = rows.forward(slice(0, 3), fed, width).logits
-        keep = []
-        for b in range(3):
-            full = torch.cat([seqs[b], fed[b]])
-            lm.reset()
-            assert torch.allclose(logits[b], lm.forward(full, 0, num_logits=width).logits, atol=1e-10, rtol=0)
-            seqs[b] = full[: len(seqs[b]) + int(torch.randint(0, width + 1, (1,), generator=gen))]
-            keep.append(len(seqs[b]))
-        rows.set_lengths(torch.tensor(keep))
 
 
 def test_sliding_window_tree_rows_see_what_plain_decoding_sees():
