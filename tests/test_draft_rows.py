@@ -40,6 +40,10 @@ def test_members_take_free_slots_and_give_them_back(draft):
     del c  # a member dropped without finish(): its slot is free again
     a.reset(torch.tensor([1]))
     assert a.slot == 0
+    assert group.rows.cache._keys[0] is not None
+    a.finish()
+    b.finish()
+    assert group.rows.cache._keys[0] is None  # no request left: the cache's memory is given back
 
 
 def test_refusals(draft):

@@ -65,6 +65,8 @@ class DraftRows:
             self.rows.release(member.slot)
             self._owners[member.slot] = None
             member.slot = None
+        if all(self._owner(slot) is None for slot in range(len(self._owners))):
+            self.rows.clear()  # no request left: give the cache's memory back, as the target does
 
     def _place(self, members: list[DraftRowsMember]) -> None:
         """Put ``members[i]`` in slot i (a forward runs a contiguous range of slots)."""
