@@ -83,8 +83,24 @@ class TokenCounter:
 
 
 async def run_phase(url: str, prompts: list[str], clients: int, requests: int, max_tokens: int,
-                    extra_body: dict, count_tokens: TokenCounter) -> dict:
+                    extra_body: dict, count_tokens: TokenCounter, endpoint: str = "chat") -> dict:
+    """One phase: ``clients`` concurrent streams, ``requests`` in all. ``endpoint``: ``chat``
+    (the prompt as a user turn, through the chat template) or ``completions`` (the prompt as
+    plain text, for base models without a chat template)."""
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=900, max_retries=0)
+    common = dict(model="default", max_tokens=max_tokens, temperature=0, stream=True,
+                  stream_options={"include_usage": True}, extra_body=extra_body or None)
+
+    def request(prompt: str):
+        if endpoint == "completions":
+            return client.completions.create(prompt=prompt, **common)
+        return client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **common)
+
+    def content(chunk) -> str | None:
+        if not chunk.choices:
+            return None
+        return chunk.choices[0].text if endpoint == "completions" else chunk.choices[0].delta.content
+
     queue = list(range(requests))
     ttfts, tokens, errors = [], [], []
 
@@ -94,15 +110,13 @@ async def run_phase(url: str, prompts: list[str], clients: int, requests: int, m
             sent = time.perf_counter()
             first, usage, text = None, None, []
             try:
-                stream = await client.chat.completions.create(
-                    model="default", messages=[{"role": "user", "content": prompts[i % len(prompts)]}],
-                    max_tokens=max_tokens, temperature=0, stream=True,
-                    stream_options={"include_usage": True}, extra_body=extra_body or None)
+                stream = await request(prompts[i % len(prompts)])
                 async for chunk in stream:
-                    if chunk.choices and chunk.choices[0].delta.content:
+                    piece = content(chunk)
+                    if piece:
                         if first is None:
                             first = time.perf_counter() - sent
-                        text.append(chunk.choices[0].delta.content)
+                        text.append(piece)
                     if chunk.usage is not None:
                         usage = chunk.usage.completion_tokens
                 tokens.append(usage if usage is not None else count_tokens("".join(text)))
@@ -165,7 +179,8 @@ def start_servers(stack: ExitStack, servers: list[tuple[str, str, list[str]]], a
     for label, program, flags in servers:
         if program == "speclm":
             server = stack.enter_context(serve_process(
-                ["--model", args.model, "--max-batch", str(slots), "--log-level", "warning", *flags],
+                ["--model", args.model, "--served-model-name", "default", "--max-batch", str(slots),
+                 "--log-level", "warning", *flags],
                 logs, threads=None, ready_timeout=args.ready_timeout))
             url = server.url
         elif program == "llama-server":
@@ -191,6 +206,9 @@ def main() -> int:
     ap.add_argument("--clients", default="1,4,16", help="concurrency levels (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: %(default)s)")
     ap.add_argument("--max-tokens", type=int, default=48)
+    ap.add_argument("--endpoint", choices=["chat", "completions"], default="chat",
+                    help="chat completions (the prompt as a user turn) or completions (plain text: "
+                         "base models without a chat template, e.g. Gemma-3-270M)")
     ap.add_argument("--requests-per-client", type=int, default=1)
     ap.add_argument("--min-requests", type=int, default=3, help="at least this many per phase")
     ap.add_argument("--prompts", default=str(SPEC_BENCH) if SPEC_BENCH.is_file() else str(DEFAULT_PROMPTS))
@@ -220,7 +238,7 @@ def main() -> int:
         extra = {label: {"cache_prompt": False} if program == "llama-server" else {}
                  for label, (_, program) in started.items()}
         for label, (url, _) in started.items():  # warm-up: first-use costs out of the way
-            asyncio.run(run_phase(url, prompts, 2, 2, 8, extra[label], count_tokens))
+            asyncio.run(run_phase(url, prompts, 2, 2, 8, extra[label], count_tokens, args.endpoint))
         for rnd in range(args.rounds):
             for clients in args.levels:
                 shift = (rnd + clients) % len(labels)
@@ -229,7 +247,7 @@ def main() -> int:
                     before = spec_figures(url) if program == "speclm" else None
                     n = max(args.min_requests, clients * args.requests_per_client)
                     row = asyncio.run(run_phase(url, prompts, clients, n, args.max_tokens, extra[label],
-                                                count_tokens))
+                                                count_tokens, args.endpoint))
                     row.update(server=label, program=program, round=rnd)
                     if before is not None:
                         after = spec_figures(url)
