@@ -3,12 +3,14 @@
 The engine runs a batch through a backend's rows (speclm.models.rows): one single-row handle
 per row, run in turn (``SlotRows``), or one batched forward: on llama.cpp the rows as sequence
 ids of one context in one ``llama_decode`` (``LlamaCppRows``), on eager torch one transformers
-forward over a ragged cache (``RaggedRows``; sliding-window models such as Gemma-3 included).
+forward over a ragged cache (``RaggedRows``; sliding-window models such as Gemma-3 included), on
+the compiled path one compiled forward over a batched static cache (``CompiledRows``; its graphs
+compile in the first, untimed repetition).
 This times both on the same model, interleaved, each row at its own context length (a prompt of
 ``--context`` tokens plus a few per row), feeding T tokens per row and cutting them off again as
 a rejected draft would be:
 
-    python benchmarks/rows_cost.py [--model default] [--backend llamacpp|torch] [--rows 1 2 4 8 16] [--widths 1 4 8]
+    python benchmarks/rows_cost.py [--model default] [--backend llamacpp|torch|compiled [--quantize int4]] [--rows 1 2 4 8 16] [--widths 1 4 8]
 
 Prints median milliseconds per step, the batched form's speedup, and the cost per row-token
 relative to a one-row, one-token step.
@@ -24,6 +26,7 @@ import time
 import torch
 
 from speclm.models import load_model
+from speclm.models.compiled_rows import CompiledRows
 from speclm.models.rows import RaggedRows, SlotRows
 
 
@@ -45,11 +48,20 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 4, 8])
     ap.add_argument("--context", type=int, default=200, help="prompt tokens per row")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--backend", choices=["llamacpp", "torch"], default="llamacpp")
+    ap.add_argument("--backend", choices=["llamacpp", "torch", "compiled"], default="llamacpp")
+    ap.add_argument("--quantize", choices=["int8", "int4", "gguf"], default=None, help="compiled path's weights")
+    ap.add_argument("--dtype", default=None, help="compiled path's dtype (default: the model's)")
     args = ap.parse_args()
-    target = load_model(args.model, backend=args.backend).backend
+    compiled = args.backend == "compiled"
+    target = load_model(args.model, backend="torch" if compiled else args.backend, compile=compiled,
+                        quantize=args.quantize, dtype=args.dtype).backend
     most = max(args.rows)
-    batched = target.batched_rows(most) if args.backend == "llamacpp" else RaggedRows(target, most)
+    if args.backend == "llamacpp":
+        batched = target.batched_rows(most)
+    elif compiled:
+        batched = CompiledRows(target, most)  # graphs compile in the untimed first repetition
+    else:
+        batched = RaggedRows(target, most)
     kinds = {"one handle per row": SlotRows(target, most), "one batched forward": batched}
     gen = torch.Generator().manual_seed(0)
     for rows in kinds.values():  # every row at its own length
@@ -58,7 +70,8 @@ def main() -> None:
             rows.forward(range(b, b + 1), prompt, [prompt.shape[1]], logits=False)
             rows.keep(b, prompt.shape[1], [])
     print(f"# {platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-          f"model {args.model}, {args.backend} ({type(batched).__name__}), context {args.context}+")
+          f"model {args.model}, {args.backend}{'+' + args.quantize if args.quantize else ''} "
+          f"({type(batched).__name__}), context {args.context}+")
     print("| rows | tokens per row | one handle per row (ms) | one batched forward (ms) | speedup | "
           "cost per row-token (batched, x a 1-token step) |")
     print("|---:|---:|---:|---:|---:|---:|")

@@ -278,24 +278,3 @@ def test_bfloat16_cast_keeps_rotary_frequencies_float32(target32):
     assert torch.equal(rotary["model.rotary_emb.inv_freq"],
                        dict(target32.named_buffers())["model.rotary_emb.inv_freq"])
     assert next(fast.model.parameters()).dtype == torch.bfloat16
-
-
-def test_compiled_rows_in_a_batch_equal_solo(quick):
-    """The engine over the compiled path with several rows (one static cache per row, forks
-    sharing the compiled steps): each row's greedy output is its solo output."""
-    from speclm.engine import Engine
-    from speclm.models.rows import SlotRows, make_rows
-
-    rows = make_rows(quick, 3)
-    assert isinstance(rows, SlotRows)
-    engine = Engine(rows, drafter_factory=lambda h: NgramDrafter(1, 3), draft_length=DraftLengthConfig(4))
-    prompts = [_ids(5 + 7 * i, seed=i).repeat(2) for i in range(5)]
-    solo = [_greedy(quick, p, max_tokens=20) for p in prompts]
-    params = SamplingParams(max_tokens=20, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add(str(i), p, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work:
-        for o in engine.step()[0]:
-            out[o.request_id] += o.step.tokens
-    assert [out[str(i)] for i in range(len(prompts))] == solo

@@ -78,8 +78,37 @@ def _raise_dynamo_limits(graphs: int) -> None:
             setattr(dynamo_config, name, want)
 
 
+def static_positions(start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
+                     root_slot: int | None) -> torch.Tensor:
+    """[rows] positions of a forward at ``start_pos``: the real ones (a tree's by depth), then the
+    padded rows continuing after the last."""
+    if tree is None:
+        return torch.arange(start_pos, start_pos + rows)
+    real = tree.positions(root_slot, num_new)
+    pad = real[-1] + 1 + torch.arange(rows - num_new)
+    return torch.cat([real, pad])
+
+
+def static_allowed(capacity: int, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
+                   root_slot: int | None) -> torch.Tensor:
+    """[rows, capacity] bool: which cache slots row r (written at slot start_pos + r) sees: the
+    slots up to its own (a chain; padded rows too), or the committed past and its tree ancestors
+    (a tree whose pending token sits at ``root_slot``)."""
+    slots = torch.arange(start_pos, start_pos + rows).view(rows, 1)
+    allowed = torch.arange(capacity).view(1, capacity) <= slots  # [rows, cap]
+    if tree is not None:
+        k = tree.num_nodes
+        block = torch.ones(k + 1, k + 1, dtype=torch.bool).tril_()  # [pending, nodes] rows
+        block[1:, 1:] = tree.ancestors
+        block[1:, 0] = True
+        block[0, 1:] = False
+        allowed[:num_new, root_slot : root_slot + k + 1] = block[k + 1 - num_new :]
+    return allowed
+
+
 class _Step:
-    """The compiled forward of one model, shared by a backend and its forks."""
+    """The compiled forward of one model, shared by a backend, its forks and its batched rows
+    (models/compiled_rows.py): one graph per (rows, tokens, capacity) seen."""
 
     def __init__(self, model: torch.nn.Module, mode: str | None, backend: str = "inductor",
                  freeze: bool = False) -> None:
@@ -90,7 +119,7 @@ class _Step:
                  mask: torch.Tensor) -> torch.Tensor:
             out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                         use_cache=True, **{cache_kw: cache})
-            logits = out.logits[0]  # [T, V]
+            logits = out.logits  # [B, T, V]
             return logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (or 64)
 
         self.eager = step
@@ -100,8 +129,29 @@ class _Step:
         # inductor's on-disk cache, so every process compiles it again.
         options = {"freezing": True} if freeze and backend == "inductor" and mode is None else None
         self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend, options=options)
-        self.seen: set[tuple[int, int]] = set()  # (tokens, capacity) compiled so far
+        self.seen: set[tuple] = set()  # (tokens, capacity) or (rows, tokens, capacity) compiled so far
         self.skip_guards = True
+        self.warming = False
+
+    def __call__(self, key: tuple, *args) -> torch.Tensor:
+        """Run the graph for ``key`` (compiling it on first use) on ``args``."""
+        if key in self.seen:
+            # this shape is compiled: check only the guards that tell the compiled graphs apart
+            # (dynamo's full guard set costs ~1 ms per call on a 30-layer model)
+            try:
+                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.skip_guards):
+                    return self.compiled(*args)
+            except RuntimeError as exc:  # a guard beyond the shape failed (global state, another
+                if "skip_guard_eval_unsafe" not in str(exc):  # instance's graphs): check them all
+                    raise
+                return self.compiled(*args)
+        if self.seen and not self.warming:
+            rows = f"{key[0]} rows x " if len(key) == 3 else ""
+            print(f"speclm: compiling a step for {rows}{key[-2]} tokens over {key[-1]} cache slots "
+                  "(one time)...", file=sys.stderr)
+        out = self.compiled(*args)
+        self.seen.add(key)
+        return out
 
 
 class CompiledCausalLM:
@@ -154,8 +204,7 @@ class CompiledCausalLM:
         self._min = torch.finfo(self.dtype).min
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._neg = torch.full((), self._min, dtype=self.dtype, device=self.device)
-        self._warming = False
-
+        
     # -- the CausalLM interface -----------------------------------------------------------
     @property
     def cache_length(self) -> int:
@@ -181,7 +230,7 @@ class CompiledCausalLM:
     @property
     def compiled_capacities(self) -> tuple[int, ...]:
         """The cache sizes some step is compiled for so far (a draft warms the same ones)."""
-        return tuple(sorted({cap for _, cap in self._step.seen}))
+        return tuple(sorted({key[-1] for key in self._step.seen}))
 
     def bucket(self, num_tokens: int) -> int | None:
         """The padded token count a forward of ``num_tokens`` runs at (None: eager)."""
@@ -217,25 +266,8 @@ class CompiledCausalLM:
         positions = self._positions(start_pos, num_new, padded, tree, root_slot)
         mask = self._mask(start_pos, num_new, padded, tree, root_slot)
         self._cache.start.fill_(start_pos)
-        step = self._step
-        key = (padded, self._cache.capacity)
         args = (self._cache, ids.to(self.device).view(1, padded), positions.to(self.device).view(1, padded), mask)
-        if key in step.seen:
-            # this shape is compiled: check only the guards that tell the compiled graphs apart
-            # (dynamo's full guard set costs ~1 ms per call on a 30-layer model)
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=step.skip_guards):
-                    logits = step.compiled(*args)  # [padded, V]
-            except RuntimeError as exc:  # a guard beyond the shape failed (global state, another
-                if "skip_guard_eval_unsafe" not in str(exc):  # instance's graphs): check them all
-                    raise
-                logits = step.compiled(*args)
-        else:
-            if step.seen and not self._warming:
-                print(f"speclm: compiling a step for {padded} tokens over {self._cache.capacity} cache "
-                      "slots (one time)...", file=sys.stderr)
-            logits = step.compiled(*args)
-            step.seen.add(key)
+        logits = self._step((padded, self._cache.capacity), *args)[0]  # [padded, V]
         self._cache.length += num_new
         logits = logits[num_new - num_logits : num_new]
         if self.device.type == "cuda":
@@ -245,29 +277,12 @@ class CompiledCausalLM:
     # -- helpers --------------------------------------------------------------------------
     def _positions(self, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
                    root_slot: int | None) -> torch.Tensor:
-        """[rows] positions: the real ones, then the padded rows continuing after the last."""
-        if tree is None:
-            return torch.arange(start_pos, start_pos + rows)
-        real = tree.positions(root_slot, num_new)
-        pad = real[-1] + 1 + torch.arange(rows - num_new)
-        return torch.cat([real, pad])
+        return static_positions(start_pos, num_new, rows, tree, root_slot)
 
     def _mask(self, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
               root_slot: int | None) -> torch.Tensor:
-        """[1, 1, rows, capacity] additive mask: row r (slot start_pos + r) sees the slots up to its
-        own (a chain; padded rows too), or the committed past and its tree ancestors (a tree)."""
-        cap = self._cache.capacity
-        slots = torch.arange(start_pos, start_pos + rows).view(rows, 1)
-        allowed = torch.arange(cap).view(1, cap) <= slots  # [rows, cap]
-        if tree is not None:
-            k = tree.num_nodes
-            block = torch.ones(k + 1, k + 1, dtype=torch.bool).tril_()  # [pending, nodes] rows
-            block[1:, 1:] = tree.ancestors
-            block[1:, 0] = True
-            block[0, 1:] = False
-            allowed[:num_new, root_slot : root_slot + k + 1] = block[k + 1 - num_new :]
-        allowed = allowed.to(self.device)
-        return torch.where(allowed, self._zero, self._neg).view(1, 1, rows, cap)
+        allowed = static_allowed(self._cache.capacity, start_pos, num_new, rows, tree, root_slot)
+        return torch.where(allowed.to(self.device), self._zero, self._neg).view(1, 1, rows, -1)
 
     def _eager(self, token_ids, start_pos, num_logits, return_hidden, tree, root_slot) -> ForwardOutput:
         """An uncompiled forward on the same cache: long prefills (in chunks) and hidden states."""
@@ -309,7 +324,7 @@ class CompiledCausalLM:
         print(f"speclm: compiling the decode and verify steps (one time, ~{estimate} s; "
               f"{len(todo)} token counts x {len(caps)} cache sizes)...", file=sys.stderr)
         t0 = time.perf_counter()
-        self._warming = True
+        self._step.warming = True
         try:
             for cap in caps:
                 for b in todo:
@@ -317,7 +332,7 @@ class CompiledCausalLM:
                     self._cache.reserve(cap)
                     self.forward(torch.zeros(b, dtype=torch.long), 0, num_logits=1)
         finally:
-            self._warming = False
+            self._step.warming = False
             self.reset()
         return time.perf_counter() - t0
 

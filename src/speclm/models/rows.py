@@ -8,6 +8,8 @@ contiguous range of them.
 
 - :class:`RaggedRows`: one transformers forward over all rows (speclm.batch.model: a ragged
   KV cache, explicit positions and a 4D mask). The batched eager-torch path.
+- ``CompiledRows`` (speclm.models.compiled_rows): the compiled path's rows in one compiled
+  forward over a batched static cache.
 - ``LlamaCppRows`` (speclm.models.llamacpp_rows): llama.cpp's rows in one ``llama_decode``, a
   sequence id per row (chains; reached through ``target.batched_rows``).
 - :class:`SlotRows`: one :class:`~speclm.models.base.CausalLM` handle per slot (the target
@@ -86,6 +88,17 @@ def _select_layers(return_hidden: bool | Sequence[int], num_layers: int) -> bool
         {i % (num_layers + 1) for i in return_hidden})
 
 
+def describe_target(obj, target) -> None:
+    """Copy what every view of a target tells the engine and drafters about it onto ``obj``:
+    vocabulary, context, device, end tokens, backend name and source GGUF."""
+    obj.backend_name = getattr(target, "backend_name", "torch")
+    obj.source_gguf = getattr(target, "source_gguf", None)
+    obj.vocab_size = target.vocab_size
+    obj.max_context = target.max_context
+    obj.device = target.device
+    obj.eos_token_ids = target.eos_token_ids
+
+
 class SlotRows:
     """One single-row backend handle per slot, run in turn: every backend, every drafter."""
 
@@ -93,12 +106,7 @@ class SlotRows:
         if num_slots < 1:
             raise SpeclmError(f"max batch must be >= 1, got {num_slots}")
         self.target = target
-        self.backend_name = getattr(target, "backend_name", "torch")
-        self.source_gguf = getattr(target, "source_gguf", None)
-        self.vocab_size = target.vocab_size
-        self.max_context = target.max_context
-        self.device = target.device
-        self.eos_token_ids = target.eos_token_ids
+        describe_target(self, target)
         self.num_slots = num_slots
         self._handles: list[CausalLM | None] = [target] + [None] * (num_slots - 1)
 
@@ -168,11 +176,7 @@ class RaggedRows:
 
         self.model = BatchModel(target, num_slots + 1)  # the last slot: scratch for swaps
         self.target = target
-        self.backend_name = getattr(target, "backend_name", "torch")
-        self.vocab_size = target.vocab_size
-        self.max_context = target.max_context
-        self.device = target.device
-        self.eos_token_ids = target.eos_token_ids
+        describe_target(self, target)
         self.num_slots = num_slots
         self._num_layers = getattr(target, "num_layers", 0)
 
@@ -228,26 +232,27 @@ class TargetView:
     returns_hidden = True
 
     def __init__(self, target) -> None:
+        describe_target(self, target)
         self.model = target.model
         self.dtype = target.dtype
-        self.device = target.device
-        self.vocab_size = target.vocab_size
-        self.max_context = target.max_context
-        self.eos_token_ids = target.eos_token_ids
         self.num_layers = getattr(target, "num_layers", 0)
-        self.backend_name = getattr(target, "backend_name", "torch")
-        self.source_gguf = getattr(target, "source_gguf", None)
 
 
 def make_rows(target: CausalLM, max_batch: int, *, needs_layers: bool = False,
               needs_trees: bool = False) -> TargetRows:
     """The rows a target decodes through: one batched forward where the backend has one for
-    more than one row (eager torch on a model the ragged cache supports; llama.cpp for chains,
+    more than one row (eager torch on a model the ragged cache supports; the compiled path;
+    llama.cpp for chains,
     ``target.batched_rows``), else one handle per slot (every other case, and every drafter).
     ``needs_layers``: drafters run the target's own layers on a row's cache; ``needs_trees``:
     drafters grow token trees."""
+    from .compiled import CompiledCausalLM
     from .hf import HFCausalLM
 
+    if max_batch > 1 and isinstance(target, CompiledCausalLM) and not needs_layers:
+        from .compiled_rows import CompiledRows
+
+        return CompiledRows(target, max_batch)
     if max_batch > 1 and type(target) is HFCausalLM and not needs_layers:
         try:
             return RaggedRows(target, max_batch)

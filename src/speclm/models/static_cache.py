@@ -70,9 +70,11 @@ class StaticKVCache:
     def capacity(self) -> int:
         return self.keys[0].shape[2]
 
+    num_buffer_rows = 1  # the buffers' leading dimension
+
     def _use(self, capacity: int) -> None:
         if capacity not in self._buffers:
-            shape = (1, self.kv_heads, capacity, self.head_dim)
+            shape = (self.num_buffer_rows, self.kv_heads, capacity, self.head_dim)
             with torch.inference_mode():
                 keys = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
                 values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
@@ -115,3 +117,78 @@ class StaticKVCache:
     def reset(self) -> None:
         self.length = 0
         self._use(self.capacities[0])
+
+
+class StaticRowsCache(StaticKVCache):
+    """``num_slots`` sequences' keys and values in [num_slots + 1, H_kv, capacity, D] buffers per
+    layer (the last row is scratch: swaps pass through it, padded rows write into it), for the
+    compiled path's batched step (models/compiled_rows.py).
+
+    A forward over B rows writes row b's tokens at ``starts[b] + t`` of buffer row
+    ``row_index[b]`` (both [num_slots + 1] int64 tensors at fixed addresses, set by the backend
+    before every call) and attends over buffer rows ``first_row .. first_row + B - 1``. Each slot
+    keeps its own length; the capacity bucket is shared and fits the longest.
+    """
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacities: tuple[int, ...],
+                 dtype: torch.dtype, device: torch.device, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.num_buffer_rows = num_slots + 1
+        self.lengths = [0] * (num_slots + 1)
+        self.first_row = 0
+        with torch.inference_mode():
+            self.starts = torch.zeros(num_slots + 1, dtype=torch.long, device=device)
+            self.row_index = torch.arange(num_slots + 1, dtype=torch.long, device=device)
+        torch._dynamo.mark_static_address(self.starts)
+        torch._dynamo.mark_static_address(self.row_index)
+        super().__init__(num_layers, kv_heads, head_dim, capacities, dtype, device)
+
+    @property
+    def length(self) -> int:  # what growing the capacity copies: the longest slot
+        return max(self.lengths)
+
+    @length.setter
+    def length(self, value: int) -> None:  # the base class's reset
+        self.lengths = [value] * len(self.lengths)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, heads, t = key_states.shape[:3]  # [B, H, T, D]
+        device = key_states.device
+        slots = self.starts[:rows, None] + torch.arange(t, device=device)  # [B, T]
+        # (row, head, slot) of every written vector: indexes [S + 1, H, cap] like key_states' [B, H, T]
+        index = (self.row_index[:rows, None, None], torch.arange(heads, device=device)[None, :, None],
+                 slots[:, None, :])
+        keys, values = self.keys[layer_idx], self.values[layer_idx]  # [S + 1, H, cap, D]
+        keys.index_put_(index, key_states.to(keys.dtype))
+        values.index_put_(index, value_states.to(values.dtype))
+        lo = self.first_row
+        return keys[lo : lo + rows], values[lo : lo + rows]
+
+    # -- per slot ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def compact_slot(self, slot: int, start: int, keep: list[int]) -> None:
+        """Slot ``slot`` keeps its first ``start`` entries, then those at start + keep[i]."""
+        check_compact(self.lengths[slot], start, keep)
+        if keep != list(range(len(keep))):
+            src = torch.tensor(keep, dtype=torch.long).add_(start).to(self.device)
+            for buf in self.keys + self.values:
+                buf[slot, :, start : start + len(keep)] = buf[slot].index_select(1, src)
+        self.lengths[slot] = start + len(keep)
+
+    @torch.inference_mode()
+    def move(self, src: int, dst: int) -> None:
+        """Copy slot ``src``'s entries to slot ``dst``, then empty ``src``."""
+        n = self.lengths[src]
+        for buf in self.keys + self.values:
+            buf[dst, :, :n] = buf[src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0
+
+    def swap(self, a: int, b: int) -> None:
+        scratch = self.num_slots
+        self.move(a, scratch)
+        self.move(b, a)
+        self.move(scratch, b)
+
+    def release(self, slot: int) -> None:
+        self.lengths[slot] = 0

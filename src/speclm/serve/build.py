@@ -118,6 +118,10 @@ def build_app(opts: ServeOptions):
     if rows_drafters is not None:
         factory, draft_length = rows_drafters.factory, rows_drafters.draft_length
         factory(rows.handle(0))  # build one now: errors and one-time searches before serving
+    warm_rows = getattr(rows, "warmup", None)  # the compiled path's batched steps
+    if callable(warm_rows):
+        warm_rows(draft_length.draft_max if draft_length is not None else 0)
+    elif draft_length is not None:
         llm.warmup(draft_length.draft_max)
     # the adaptive draft cap starts from the target's measured verify cost (cached per model)
     prior = llm.cost_model(1 + draft_length.draft_max) if draft_length is not None and draft_length.adaptive else None
