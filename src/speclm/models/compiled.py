@@ -47,7 +47,7 @@ from .base import ForwardOutput
 from .dtypes import cast_keeping_rotary
 from .hf_kwargs import cache_kwarg
 from .kv_cache import check_forward
-from .static_cache import StaticKVCache, capacity_buckets
+from .static_cache import StaticKVCache, capacity_buckets, static_allowed, static_positions
 
 DEFAULT_BUCKETS = (1, 4, 8, 16, 32)
 PREFILL_CHUNK = 512  # eager prefill runs in chunks of this many tokens (bounds the mask's size)
@@ -78,34 +78,6 @@ def _raise_dynamo_limits(graphs: int) -> None:
             setattr(dynamo_config, name, want)
 
 
-def static_positions(start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
-                     root_slot: int | None) -> torch.Tensor:
-    """[rows] positions of a forward at ``start_pos``: the real ones (a tree's by depth), then the
-    padded rows continuing after the last."""
-    if tree is None:
-        return torch.arange(start_pos, start_pos + rows)
-    real = tree.positions(root_slot, num_new)
-    pad = real[-1] + 1 + torch.arange(rows - num_new)
-    return torch.cat([real, pad])
-
-
-def static_allowed(capacity: int, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
-                   root_slot: int | None) -> torch.Tensor:
-    """[rows, capacity] bool: which cache slots row r (written at slot start_pos + r) sees: the
-    slots up to its own (a chain; padded rows too), or the committed past and its tree ancestors
-    (a tree whose pending token sits at ``root_slot``)."""
-    slots = torch.arange(start_pos, start_pos + rows).view(rows, 1)
-    allowed = torch.arange(capacity).view(1, capacity) <= slots  # [rows, cap]
-    if tree is not None:
-        k = tree.num_nodes
-        block = torch.ones(k + 1, k + 1, dtype=torch.bool).tril_()  # [pending, nodes] rows
-        block[1:, 1:] = tree.ancestors
-        block[1:, 0] = True
-        block[0, 1:] = False
-        allowed[:num_new, root_slot : root_slot + k + 1] = block[k + 1 - num_new :]
-    return allowed
-
-
 class _Step:
     """The compiled forward of one model, shared by a backend, its forks and its batched rows
     (models/compiled_rows.py): one graph per (rows, tokens, capacity) seen."""
@@ -132,6 +104,11 @@ class _Step:
         self.seen: set[tuple] = set()  # (tokens, capacity) or (rows, tokens, capacity) compiled so far
         self.skip_guards = True
         self.warming = False
+
+    @staticmethod
+    def allow_graphs(graphs: int) -> None:
+        """Raise dynamo's recompile limits to hold ``graphs`` graphs of one function."""
+        _raise_dynamo_limits(graphs)
 
     def __call__(self, key: tuple, *args) -> torch.Tensor:
         """Run the graph for ``key`` (compiling it on first use) on ``args``."""
@@ -161,6 +138,8 @@ class CompiledCausalLM:
     source_gguf = None  # the GGUF file the weights were dequantized from, if any (set by load_model)
 
     supports_trees = True
+    batched_trees = True  # its batched rows (batched_rows) take token trees
+    prefill_chunk = PREFILL_CHUNK
 
     def __init__(self, model: torch.nn.Module, eos_token_ids: frozenset[int], *,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, capacities: Sequence[int] | None = None,
@@ -226,6 +205,13 @@ class CompiledCausalLM:
                                 compile_backend=self.compile_backend, _step=self._step)
         twin.source_gguf = self.source_gguf
         return twin
+
+    def batched_rows(self, num_slots: int):
+        """``num_slots`` rows in one compiled forward over a batched static cache
+        (speclm.models.compiled_rows): the engine's batched form of this backend."""
+        from .compiled_rows import CompiledRows
+
+        return CompiledRows(self, num_slots)
 
     @property
     def compiled_capacities(self) -> tuple[int, ...]:

@@ -24,15 +24,18 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import SpeclmError
 from ..tree import TreeMeta
-from .compiled import PREFILL_CHUNK, CompiledCausalLM, _raise_dynamo_limits, static_allowed, static_positions
 from .hf_kwargs import cache_kwarg
 from .rows import RowsOutput, TargetView, _select_layers, describe_target
-from .static_cache import StaticRowsCache
+from .static_cache import StaticRowsCache, static_allowed, static_positions
+
+if TYPE_CHECKING:
+    from .compiled import CompiledCausalLM
 
 
 def row_buckets(num_slots: int) -> tuple[int, ...]:
@@ -61,7 +64,7 @@ class CompiledRows:
                                      target.dtype, target.device, num_slots)
         self._step = target._step
         self._zero, self._neg = target._zero, target._neg
-        _raise_dynamo_limits(len(target.buckets) * len(target.capacities) * (len(self.row_buckets) + 2))
+        self._step.allow_graphs(len(target.buckets) * len(target.capacities) * (len(self.row_buckets) + 2))
 
     def length(self, slot: int) -> int:
         return self.cache.lengths[slot]
@@ -128,7 +131,7 @@ class CompiledRows:
         model = self.target.model
         layers = _select_layers(return_hidden, self.target.num_layers) if return_hidden else False
         num_rows, width = token_ids.shape
-        chunk = width if (return_hidden or trees is not None) else PREFILL_CHUNK
+        chunk = width if (return_hidden or trees is not None) else self.target.prefill_chunk
         logits, hidden = [], []
         for lo in range(0, width, chunk):
             n = min(chunk, width - lo)

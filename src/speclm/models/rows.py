@@ -9,7 +9,7 @@ contiguous range of them.
 - :class:`RaggedRows`: one transformers forward over all rows (speclm.batch.model: a ragged
   KV cache, explicit positions and a 4D mask). The batched eager-torch path.
 - ``CompiledRows`` (speclm.models.compiled_rows): the compiled path's rows in one compiled
-  forward over a batched static cache.
+  forward over a batched static cache (reached through ``target.batched_rows``; trees too).
 - ``LlamaCppRows`` (speclm.models.llamacpp_rows): llama.cpp's rows in one ``llama_decode``, a
   sequence id per row (chains; reached through ``target.batched_rows``).
 - :class:`SlotRows`: one :class:`~speclm.models.base.CausalLM` handle per slot (the target
@@ -241,24 +241,20 @@ class TargetView:
 def make_rows(target: CausalLM, max_batch: int, *, needs_layers: bool = False,
               needs_trees: bool = False) -> TargetRows:
     """The rows a target decodes through: one batched forward where the backend has one for
-    more than one row (eager torch on a model the ragged cache supports; the compiled path;
-    llama.cpp for chains,
+    more than one row (eager torch on a model the ragged cache supports; the compiled path and
+    llama.cpp for chains through
     ``target.batched_rows``), else one handle per slot (every other case, and every drafter).
     ``needs_layers``: drafters run the target's own layers on a row's cache; ``needs_trees``:
     drafters grow token trees."""
-    from .compiled import CompiledCausalLM
     from .hf import HFCausalLM
 
-    if max_batch > 1 and isinstance(target, CompiledCausalLM) and not needs_layers:
-        from .compiled_rows import CompiledRows
-
-        return CompiledRows(target, max_batch)
     if max_batch > 1 and type(target) is HFCausalLM and not needs_layers:
         try:
             return RaggedRows(target, max_batch)
         except SpeclmError:  # attention layers the ragged cache does not handle
             pass
     batched = getattr(target, "batched_rows", None)
-    if max_batch > 1 and callable(batched) and not needs_layers and not needs_trees:
+    takes_trees = getattr(target, "batched_trees", False)  # the compiled path's rows do; llama.cpp's not
+    if max_batch > 1 and callable(batched) and not needs_layers and (takes_trees or not needs_trees):
         return batched(max_batch)
     return SlotRows(target, max_batch)

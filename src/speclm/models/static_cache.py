@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import CacheContractError, SpeclmError
+from ..tree import TreeMeta
 from .kv_cache import check_compact, check_rollback
 
 
@@ -33,6 +34,34 @@ def capacity_buckets(max_context: int, max_tokens: int, smallest: int = 512) -> 
         cap *= 2
     caps.append(top)
     return tuple(caps)
+
+
+def static_positions(start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
+                     root_slot: int | None) -> torch.Tensor:
+    """[rows] positions of a forward at ``start_pos``: the real ones (a tree's by depth), then the
+    padded rows continuing after the last."""
+    if tree is None:
+        return torch.arange(start_pos, start_pos + rows)
+    real = tree.positions(root_slot, num_new)
+    pad = real[-1] + 1 + torch.arange(rows - num_new)
+    return torch.cat([real, pad])
+
+
+def static_allowed(capacity: int, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
+                   root_slot: int | None) -> torch.Tensor:
+    """[rows, capacity] bool: which cache slots row r (written at slot start_pos + r) sees: the
+    slots up to its own (a chain; padded rows too), or the committed past and its tree ancestors
+    (a tree whose pending token sits at ``root_slot``)."""
+    slots = torch.arange(start_pos, start_pos + rows).view(rows, 1)
+    allowed = torch.arange(capacity).view(1, capacity) <= slots  # [rows, cap]
+    if tree is not None:
+        k = tree.num_nodes
+        block = torch.ones(k + 1, k + 1, dtype=torch.bool).tril_()  # [pending, nodes] rows
+        block[1:, 1:] = tree.ancestors
+        block[1:, 0] = True
+        block[0, 1:] = False
+        allowed[:num_new, root_slot : root_slot + k + 1] = block[k + 1 - num_new :]
+    return allowed
 
 
 class StaticKVCache:
