@@ -17,7 +17,6 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from speclm.drafters.draft_model import DraftModelDrafter
-from speclm.draft_length import DraftLengthConfig
 from speclm.drafters.ngram import NgramDrafter
 from speclm.engine import generate_tokens
 from speclm.errors import CacheContractError, SpeclmError

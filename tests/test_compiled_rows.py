@@ -17,7 +17,6 @@ from speclm.draft_length import DraftLengthConfig
 from speclm.drafters.ngram import NgramDrafter
 from speclm.engine import Engine, generate_tokens
 from speclm.errors import CacheContractError
-from speclm.models.compiled import make_compiled
 from speclm.models.compiled_rows import CompiledRows, row_buckets
 from speclm.models.rows import SlotRows, make_rows
 from speclm.sampling import SamplingParams
@@ -109,7 +108,6 @@ def test_moves_swaps_and_eager_rows(quick, target64):
 def test_make_rows_picks_the_batched_static_cache(quick):
     assert isinstance(make_rows(quick, 4), CompiledRows)
     assert isinstance(make_rows(quick, 1), SlotRows)  # a batch of one is the single-row path
-    assert isinstance(make_rows(quick, 4, needs_layers=True), SlotRows)  # layer skipping needs a row's cache
 
 
 def _run(engine: Engine, prompts, params_of) -> dict[str, list[int]]:

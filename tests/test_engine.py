@@ -21,7 +21,7 @@ from speclm.drafters import DraftModelDrafter, NgramDrafter
 from speclm.drafters.recycle import RecycleDrafter
 from speclm.drafters.suffix import SuffixDrafter
 from speclm.drafters.auto import AutoDrafter, NoDrafter
-from speclm.drafters.layer_skip import LayerSkipDrafter
+from speclm.drafters.layer_skip import early_exit_drafter, layer_skip_drafter
 from speclm.drafters.eagle import EagleDrafter
 from speclm.drafters.medusa import MedusaDrafter, best_static_tree
 from speclm.drafters.draft_rows import DraftRows
@@ -58,10 +58,12 @@ def row_drafters(target_model):
         # one draft forward per depth for all rows (8 slots: more than any test's batch)
         "draft-rows": lambda h, g=DraftRows(draft_lm, VOCAB, 8): g.member(),
         "draft-rows-p_min": lambda h, g=DraftRows(draft_lm, VOCAB, 8, p_min=0.05): g.member(),
-        "layerskip": lambda h: LayerSkipDrafter(h, [1, 2]),
-        "early-exit": lambda h: LayerSkipDrafter.early_exit(h, 2),
+        # on ragged rows: one skipping forward per depth for every row, on the target's cache
+        "layerskip": lambda h: layer_skip_drafter(h, [1, 2]),
+        "layerskip-p_min": lambda h: layer_skip_drafter(h, [2], p_min=0.3),
+        "early-exit": lambda h: early_exit_drafter(h, 2),
         "auto": lambda h: AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 3), 6),
-                                       "layerskip": (LayerSkipDrafter(h, [2]), 3)},
+                                       "layerskip": (layer_skip_drafter(h, [2]), 3)},
                                       probe_rounds=2, reprobe_every=12),
     }
 
@@ -83,12 +85,12 @@ def learned_drafters(target_model):
     }
 
 
-NEEDS_SLOTS = {"layerskip", "early-exit", "auto"}  # they run the target's layers on the row's cache
-
-
-def rows_for(lm, kind: str, max_batch: int, name: str):
-    rows = make_rows(lm, max_batch, needs_layers=name in NEEDS_SLOTS or kind == "slots")
-    assert isinstance(rows, SlotRows if kind == "slots" or name in NEEDS_SLOTS else RaggedRows)
+def rows_for(lm, kind: str, max_batch: int):
+    """Eager rows: the ragged cache make_rows picks, or one handle per slot."""
+    if kind == "slots":
+        return SlotRows(lm, max_batch)
+    rows = make_rows(lm, max_batch)
+    assert isinstance(rows, RaggedRows)
     return rows
 
 
@@ -104,12 +106,10 @@ def workload(target):
 @pytest.mark.parametrize("kind", ["ragged", "slots"])
 @pytest.mark.parametrize("name", list(row_drafters(tiny_model(VOCAB, seed=10, seed_layers=4))))
 def test_every_drafter_in_a_batch_equals_solo_greedy(target, workload, kind, name):
-    if kind == "ragged" and name in NEEDS_SLOTS:
-        pytest.skip("runs the target's own layers: one handle per row")
     reqs, lengths, solo = workload
     factory = row_drafters(target)[name]
     lm = backend(target)
-    engine = Engine(rows_for(lm, kind, 4, name), drafter_factory=factory,
+    engine = Engine(rows_for(lm, kind, 4), drafter_factory=factory,
                     draft_length=DraftLengthConfig(4, 0, adaptive=False))
     arrivals = {0: [], 2: []}
     for i, (p, m) in enumerate(zip(reqs, lengths)):  # more than 4 at once: some queue
@@ -139,23 +139,25 @@ def test_seeded_sampled_rows_next_to_greedy_rows_equal_solo(target, kind, drafts
     config = DraftLengthConfig(3, 0, adaptive=True)
     solo = [run(lm, p, sp, DraftModelDrafter(draft_lm.fork(), VOCAB), config,
                 sp.make_generator())[0] for p, sp in zip(reqs, params)]
-    rows = make_rows(lm, 6, needs_layers=kind == "slots")
+    rows = rows_for(lm, kind, 6)
     factory = (lambda h: group.member()) if drafts == "batched" else (lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB))
     engine = Engine(rows, drafter_factory=factory, draft_length=config)
     out = drive(engine, {0: [(str(i), p, sp) for i, (p, sp) in enumerate(zip(reqs, params))]})
     assert [out[str(i)][0] for i in range(len(reqs))] == solo
 
 
-@pytest.mark.parametrize("drafts", ["per-row", "batched"])
+@pytest.mark.parametrize("drafts", ["per-row", "batched", "layerskip"])
 def test_draft_model_rows_in_a_batch_match_the_target_distribution(drafts):
     """Sampled drafts (q from the draft model, drafted row by row or all rows in one draft
-    forward per depth) verified in batches of 24 rows, two prompts of different lengths so the
-    rows are ragged: the sequences follow the target exactly."""
+    forward per depth; or from the target minus a layer, all rows in one forward per depth on
+    the target's own cache) verified in batches of 24 rows, two prompts of different lengths so
+    the rows are ragged: the sequences follow the target exactly."""
     vocab, length, n = 5, 3, 1200
     target_model, lm, params, prompt, expected = sampling_setup(vocab, length)
     draft_lm = backend(noisy_copy(target_model, 0.3, seed=4))
     group = DraftRows(draft_lm, vocab, 24)
-    factory = (lambda h: group.member()) if drafts == "batched" else (lambda h: DraftModelDrafter(draft_lm.fork(), vocab))
+    factory = {"batched": lambda h: group.member(), "layerskip": lambda h: layer_skip_drafter(h, [1]),
+               "per-row": lambda h: DraftModelDrafter(draft_lm.fork(), vocab)}[drafts]
     engine = Engine(make_rows(lm, 24), drafter_factory=factory,
                     draft_length=DraftLengthConfig(2, 0, adaptive=False))
     other = torch.cat([prompt, prompt])
@@ -172,6 +174,26 @@ def test_draft_model_rows_in_a_batch_match_the_target_distribution(drafts):
     assert_matches_distribution(counts, expected)
 
 
+def test_chunked_prefill_feeds_a_draft_model_in_the_same_chunks(target):
+    """A draft model's batched rows take a 150-token prompt that joins a running request in the
+    target's 16-token chunks (no draft forward wider than a chunk, however long the prompt), and
+    both outputs equal their solo outputs."""
+    lm = backend(target)
+    group = DraftRows(backend(noisy_copy(target, 0.08, seed=3)), VOCAB, 2)
+    widths = []
+    forward = group.rows.forward
+    group.rows.forward = lambda rows, ids, *a, **kw: widths.append(ids.shape[1]) or forward(rows, ids, *a, **kw)
+    gen = torch.Generator().manual_seed(1)
+    short, long = prompts(1, seed=3)[0], torch.randint(1, VOCAB, (150,), generator=gen)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    solo = [run(lm, p, params)[0] for p in (short, long)]
+    engine = Engine(make_rows(lm, 2), prefill_chunk=16, drafter_factory=lambda h: group.member(),
+                    draft_length=DraftLengthConfig(3, 0, adaptive=False))
+    out = drive(engine, {0: [("short", short, params)], 2: [("long", long, params)]})
+    assert [out["short"][0], out["long"][0]] == solo
+    assert out["long"][2].drafted_tokens > 0 and max(widths) <= 16
+
+
 @pytest.mark.parametrize("kind", ["ragged", "slots"])
 def test_chunked_prefill_keeps_a_running_row_going(target, kind):
     """A 150-token prompt joins a running request with a 16-token chunk budget: it is fed over
@@ -182,7 +204,7 @@ def test_chunked_prefill_keeps_a_running_row_going(target, kind):
     short, long = prompts(1, seed=3)[0], torch.randint(1, VOCAB, (150,), generator=gen)
     params = [SamplingParams(max_tokens=60, ignore_eos=True), SamplingParams(max_tokens=20, ignore_eos=True)]
     solo = [run(lm, p, sp)[0] for p, sp in zip((short, long), params)]
-    engine = Engine(make_rows(lm, 2, needs_layers=kind == "slots"), prefill_chunk=16,
+    engine = Engine(rows_for(lm, kind, 2), prefill_chunk=16,
                     drafter_factory=lambda h: NgramDrafter(1, 3), draft_length=DraftLengthConfig(3))
     engine.add("short", short, params[0])
     outputs = {"short": [], "long": []}

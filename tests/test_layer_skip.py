@@ -11,7 +11,7 @@ import torch
 from speclm import SpeclmError
 from speclm.drafters import DraftContext
 from speclm.drafters.layer_search import cache_file, choose_skip, load_choice
-from speclm.drafters.layer_skip import LayerSkipDrafter, early_exit_skip
+from speclm.drafters.layer_skip import LayerSkipDrafter, early_exit_drafter, early_exit_skip
 from speclm.errors import CacheContractError
 from speclm.models.layer_subset import LayerSubset, check_skip, skipping
 from speclm.sampling import SamplingParams
@@ -78,7 +78,7 @@ def test_bad_layer_sets(skip, needle):
 def test_bad_early_exit_and_p_min(lm):
     for layers in (0, 5, 9):
         with pytest.raises(SpeclmError, match="early exit"):
-            LayerSkipDrafter.early_exit(lm, layers)
+            early_exit_drafter(lm, layers)
     with pytest.raises(SpeclmError, match="p_min"):
         LayerSkipDrafter(lm, [1], p_min=1.5)
 
@@ -109,10 +109,89 @@ def test_sliding_window_model_drafts_past_its_window():
     greedy = SamplingParams(max_tokens=30, ignore_eos=True)
     prompt = torch.tensor([1, 2, 3, 4, 5, 6])
     plain = [t for s in generate_tokens(lm, prompt, greedy) for t in s.tokens]
-    for drafter in (LayerSkipDrafter(lm, [1]), LayerSkipDrafter.early_exit(lm, 1)):
+    for drafter in (LayerSkipDrafter(lm, [1]), early_exit_drafter(lm, 1)):
         out = [t for s in generate_tokens(lm, prompt, greedy, drafter=drafter,
                                           draft_length=DraftLengthConfig(4)) for t in s.tokens]
         assert out == plain
+
+
+def _prefilled_rows(lm, prompts):
+    from speclm.models.rows import RaggedRows
+
+    rows = RaggedRows(lm, len(prompts))
+    for slot, ids in enumerate(prompts):  # each holds all but its pending token
+        rows.forward(range(slot, slot + 1), ids[None, :-1], [len(ids) - 1], logits=False)
+        rows.keep(slot, len(ids) - 1, [])
+    return rows
+
+
+def test_batched_rows_draft_as_each_row_alone_in_one_forward_per_depth(lm):
+    """Three of four ragged rows draft together (one is skipped over inside the span): every
+    row's chain equals the single-row drafter's on its own cache, greedy and seeded sampled;
+    one skipping forward per depth for all rows; the cache is left as it was."""
+    from speclm.drafters.layer_skip import LayerSkipMember, layer_skip_drafter
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (5, 9, 7, 12)]
+    rows = _prefilled_rows(lm, prompts)
+    members = [layer_skip_drafter(rows.handle(slot), [2, 3]) for slot in range(4)]
+    assert all(isinstance(m, LayerSkipMember) for m in members)
+    assert len({id(m.batch_group) for m in members}) == 1  # one group per cache and layer set
+    asked, limits = [0, 1, 3], [4, 2, 3]
+    calls = []
+    hook = lm.model.model.register_forward_hook(lambda *a: calls.append(1))
+    for params, seed in ((SamplingParams(), 0), (SamplingParams(temperature=0.9, top_k=12), 7)):
+        ctxs = [DraftContext(prompts[s], k, params, torch.Generator().manual_seed(seed + s), slot=s)
+                for s, k in zip(asked, limits)]
+        calls.clear()
+        drafts = members[0].batch_group.propose_rows([members[s] for s in asked], ctxs)
+        assert len(calls) == max(limits)  # the pending tokens, then a depth at a time
+        assert [rows.length(s) for s in range(4)] == [len(p) - 1 for p in prompts]
+        for s, k, draft in zip(asked, limits, drafts):
+            alone = lm.fork()
+            alone.forward(prompts[s][:-1], 0)
+            expected = LayerSkipDrafter(alone, [2, 3]).propose(
+                DraftContext(prompts[s], k, params, torch.Generator().manual_seed(seed + s)))
+            assert draft.tokens.tolist() == expected.tokens.tolist() and draft.num_tokens == k
+            if not params.greedy:
+                torch.testing.assert_close(draft.q_draft, expected.q_draft)
+    hook.remove()
+    for slot, ids in enumerate(prompts):  # every row, asked or not, verifies as if nothing happened
+        out = rows.forward(range(slot, slot + 1), ids[None, -1:], [1]).logits[0, 0]
+        reference = lm.fork().forward(ids, 0).logits[-1]
+        torch.testing.assert_close(out, reference)
+    with pytest.raises(CacheContractError, match="slot 1"):
+        members[1].propose(DraftContext(prompts[1][:-2], 2, SamplingParams(), torch.Generator(), slot=1))
+
+
+def test_batched_layer_skip_on_a_sliding_window_model_equals_plain_decoding():
+    """Rows of a sliding-window model (Mistral-style, window 8) drafting with skipped layers
+    and early exit on the batched cache, past the window: each equals its plain decoding."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from speclm.draft_length import DraftLengthConfig
+    from speclm.drafters.layer_skip import layer_skip_drafter
+    from speclm.engine import Engine, generate_tokens
+    from speclm.models.rows import RaggedRows, make_rows
+
+    from .test_batch import drive
+
+    torch.manual_seed(5)
+    config = MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=8,
+                           max_position_embeddings=256, initializer_range=0.3)
+    lm = backend(MistralForCausalLM(config).to(torch.float64).eval())
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (4, 11, 6)]
+    greedy = SamplingParams(max_tokens=30, ignore_eos=True)
+    plain = [[t for s in generate_tokens(lm, p, greedy) for t in s.tokens] for p in prompts]
+    for factory in (lambda h: layer_skip_drafter(h, [1]), lambda h: early_exit_drafter(h, 1)):
+        rows = make_rows(lm, 3)
+        assert isinstance(rows, RaggedRows)
+        engine = Engine(rows, drafter_factory=factory, draft_length=DraftLengthConfig(4, 0, adaptive=False))
+        out = drive(engine, {0: [(str(i), p, greedy) for i, p in enumerate(prompts)]})
+        assert [out[str(i)][0] for i in range(3)] == plain
+        assert sum(out[str(i)][2].drafted_tokens for i in range(3)) > 0
 
 
 def test_search_chooses_measures_and_caches_per_model(model_dirs, tiny_tokenizer, tmp_path, monkeypatch):

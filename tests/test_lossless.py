@@ -21,7 +21,7 @@ from speclm.draft_length import DraftLengthConfig
 from speclm.drafters import DraftModelDrafter, NgramDrafter
 from speclm.drafters.tree_search import TreeShape
 from speclm.drafters.auto import AutoDrafter
-from speclm.drafters.layer_skip import LayerSkipDrafter
+from speclm.drafters.layer_skip import LayerSkipDrafter, early_exit_drafter
 from speclm.drafters.recycle import RecycleDrafter
 from speclm.drafters.suffix import SuffixDrafter
 from speclm.engine import generate_tokens
@@ -78,7 +78,7 @@ def drafters(target_model, lm):
         "unrelated-tree": lambda: DraftModelDrafter(unrelated, VOCAB, tree=TreeShape(top_k=2, budget=5)),
         "layerskip": lambda: LayerSkipDrafter(lm, [1, 2]),
         "layerskip-p_min": lambda: LayerSkipDrafter(lm, [2], p_min=0.3),
-        "early-exit": lambda: LayerSkipDrafter.early_exit(lm, 2),
+        "early-exit": lambda: early_exit_drafter(lm, 2),
         "skip-first-layer": lambda: LayerSkipDrafter(lm, [0]),
         "recycle": lambda: recycle,
         "suffix": lambda: suffix,

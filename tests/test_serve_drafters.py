@@ -1,7 +1,7 @@
 """The server with other drafters than prompt lookup, through the official ``openai`` client:
-suffix matching, a draft model and an EAGLE head, four concurrent requests each, every greedy
-answer equal to plain decoding's, the drafter reported per response and per drafter in
-/metrics."""
+suffix matching, a draft model, early exit and an EAGLE head, four concurrent requests each,
+every greedy answer equal to plain decoding's, the drafter reported per response and per
+drafter in /metrics."""
 
 from __future__ import annotations
 
@@ -43,15 +43,16 @@ def solo(model_dirs):
     return LLM(str(model_dirs["target"]), None, dtype="float64")
 
 
-@pytest.mark.parametrize("drafter", ["suffix", "draft", "eagle"])
+@pytest.mark.parametrize("drafter", ["suffix", "draft", "early-exit", "eagle"])
 def test_server_with_a_drafter_answers_like_plain_decoding(drafter, model_dirs, eagle_dir, solo, monkeypatch):
     from speclm.drafters.draft_rows import DraftRows
+    from speclm.drafters.layer_skip import LayerSkipRows
 
-    batched: list[int] = []  # rows per batched draft call (a draft model drafts all rows at once)
-    propose_rows = DraftRows.propose_rows
-    monkeypatch.setattr(DraftRows, "propose_rows",
-                        lambda self, members, ctxs: batched.append(len(members)) or propose_rows(self, members, ctxs))
-    spec = {"suffix": "suffix", "draft": f"draft:path={model_dirs['draft']}",
+    batched: list[int] = []  # rows per batched draft call (a draft model, early exit: all rows at once)
+    for group in (DraftRows, LayerSkipRows):
+        monkeypatch.setattr(group, "propose_rows", lambda self, members, ctxs, f=group.propose_rows:
+                            batched.append(len(members)) or f(self, members, ctxs))
+    spec = {"suffix": "suffix", "draft": f"draft:path={model_dirs['draft']}", "early-exit": "early-exit:layers=1",
             "eagle": f"eagle:path={eagle_dir},tree=3"}[drafter]
     opts = ServeOptions(model=str(model_dirs["target"]), dtype="float64", max_batch=4, max_queue=4,
                         served_model_name="tiny", draft_max=4)
@@ -77,6 +78,6 @@ def test_server_with_a_drafter_answers_like_plain_decoding(drafter, model_dirs, 
             assert answers[i].choices[0].message.content == expected, f"{drafter}: request {i}"
             assert answers[i].model_extra["speclm"]["drafter"].startswith(spec.partition(":")[0])
         assert sum(a.model_extra["speclm"]["drafted_tokens"] for a in answers.values()) > 0
-        assert bool(batched) == (drafter == "draft")
+        assert bool(batched) == (drafter in ("draft", "early-exit"))
         metrics = http.get("/metrics").text
         assert f'speclm_drafter_requests_total{{drafter="{answers[0].model_extra["speclm"]["drafter"]}"}} 4.0' in metrics

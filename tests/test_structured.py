@@ -26,7 +26,7 @@ from speclm.draft_length import DraftLengthConfig
 from speclm.drafters import DraftModelDrafter, NgramDrafter
 from speclm.drafters.auto import AutoDrafter, NoDrafter
 from speclm.drafters.eagle import EagleDrafter
-from speclm.drafters.layer_skip import LayerSkipDrafter
+from speclm.drafters.layer_skip import early_exit_drafter, layer_skip_drafter
 from speclm.drafters.medusa import MedusaDrafter, best_static_tree
 from speclm.drafters.recycle import RecycleDrafter
 from speclm.drafters.suffix import SuffixDrafter
@@ -101,8 +101,8 @@ def row_drafters(target, vocab: int) -> dict:
         "recycle": lambda h: RecycleDrafter(vocab, 4),
         "draft-model": lambda h: DraftModelDrafter(draft_lm.fork(), vocab),
         "draft-model-tree": lambda h: DraftModelDrafter(draft_lm.fork(), vocab, tree=TreeShape(top_k=3, budget=10)),
-        "layerskip": lambda h: LayerSkipDrafter(h, [1, 2]),
-        "early-exit": lambda h: LayerSkipDrafter.early_exit(h, 2),
+        "layerskip": lambda h: layer_skip_drafter(h, [1, 2]),
+        "early-exit": lambda h: early_exit_drafter(h, 2),
         "eagle-tree": lambda h: EagleDrafter(eagle, embed, [1, 2], vocab, TreeShape(3, 10)),
         "medusa": lambda h: MedusaDrafter(heads, paths),
         "auto": lambda h: AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 3), 6),
@@ -133,8 +133,7 @@ def requests(tokenizer) -> list[tuple[str, torch.Tensor, SamplingParams, dict | 
 def test_every_drafter_gives_valid_outputs_identical_to_constrained_plain_decoding(setup, tiny_tokenizer, name):
     target, lm, compiler = setup
     factory = row_drafters(target, len(tiny_tokenizer))[name]
-    slots = name in ("layerskip", "early-exit", "auto")  # the target's own layers: a handle per row
-    engine = Engine(make_rows(backend(target), 4, needs_layers=slots), drafter_factory=factory,
+    engine = Engine(make_rows(backend(target), 4), drafter_factory=factory,
                     draft_length=DraftLengthConfig(4, 0, adaptive=False), grammars=compiler)
     reqs = requests(tiny_tokenizer)
     out = drive(engine, {0: [(rid, p, sp) for rid, p, sp, _ in reqs]})

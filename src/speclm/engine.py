@@ -262,6 +262,9 @@ class Engine:
                 self.rows.keep(seq.slot, seq.prefilled + count, [])
                 _features(out, seq, j, slice(0, count))
                 seq.prefilled += count
+                on_prefill = getattr(seq.drafter, "on_prefill", None)
+                if on_prefill is not None:  # a draft cache takes the same chunk
+                    on_prefill(seq.tokens[: seq.prefilled])
         _sync(self.rows.device)
         elapsed = time.perf_counter() - start
         for seq, _ in todo:
@@ -316,7 +319,7 @@ class Engine:
         k_max = min(k_max, seq.budget - 1)
         if k_max <= 0:
             return None
-        return DraftContext(seq.committed, k_max, seq.params, seq.generator)
+        return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot)
 
     def _checked(self, seq: Sequence, draft: Draft, k_max: int) -> Draft:
         if draft.depth > k_max:

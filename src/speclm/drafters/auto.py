@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -186,8 +186,7 @@ class AutoDrafter:
         self._seen = n
         self._context, self._tail = ctx.token_ids, []
         self._t0 = time.perf_counter()
-        draft = drafter.propose(DraftContext(ctx.token_ids, min(ctx.max_tokens, cap), ctx.params,
-                                             ctx.generator))
+        draft = drafter.propose(replace(ctx, max_tokens=min(ctx.max_tokens, cap)))
         self._drafted = draft.num_tokens
         return draft
 

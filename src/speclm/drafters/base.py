@@ -22,6 +22,9 @@ Optional members, looked up with ``getattr`` so that a drafter without them cost
   Token recycling learns its candidate table from this.
 - ``probing: bool``: True while the drafter measures candidates of its own, plain decoding
   among them (``auto``); the adaptive draft length then leaves K = 0 to it.
+- ``on_prefill(held)``: called after each chunk of the prompt the target prefills, with the
+  prompt tokens its cache now holds (``[n]``; all but the pending token at the end). A drafter
+  with a cache of its own prefills the same chunk here rather than the whole prompt in ``reset``.
 - ``finish()``: called when a request ends, however it ends (a drafter with worker threads
   stops them here, so that none outlives the request).
 - ``report() -> dict``: a few figures about the request that just ended (which drafter an
@@ -50,6 +53,8 @@ class DraftContext:
     max_tokens: int  # the longest chain (tree depth) this round may propose (K); 0: do not draft
     params: SamplingParams  # the request's sampling params (draft models warp q with them)
     generator: torch.Generator  # the request's generator: all draft randomness comes from here
+    slot: int = 0  # the row's cache slot in the target's rows this step (drafters that run the
+    #               target's own layers on its batched cache read it; slots move between steps)
 
 
 @dataclass

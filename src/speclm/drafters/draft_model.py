@@ -85,6 +85,45 @@ def draft_chain(
     return chain_draft(tokens, q_rows, logits.device)
 
 
+def draft_chains(
+    logits: torch.Tensor,
+    ctxs: list[DraftContext],
+    limits: list[int],
+    step: Callable[[torch.Tensor, list[bool]], torch.Tensor],
+    p_min: float = 0.0,
+) -> list[Draft]:
+    """:func:`draft_chain` for B rows at once, one model call per depth for all of them.
+
+    ``logits`` [B, V] predict each row's first draft token; row b drafts at most ``limits[b]``
+    tokens, chosen with its own context (params, generator) as a row drafted alone would. Then
+    ``step(fed [B, 1], active)`` feeds each row's newest token and returns the next logits
+    [B, V]; rows that stopped (their limit, or ``p_min``) are ``active[b] = False`` and feed a
+    pad whose result nobody reads.
+    """
+    num_rows = len(ctxs)
+    tokens: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]  # row -> [1] each
+    q_rows: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]  # row -> [1, V] each
+    active = [limit > 0 for limit in limits]
+    for depth in range(max(limits, default=0)):
+        for b, ctx in enumerate(ctxs):
+            if not active[b]:
+                continue
+            chosen = choose_draft_token(logits[b : b + 1], ctx, p_min)
+            if chosen is None:
+                active[b] = False
+                continue
+            tokens[b].append(chosen[0])
+            if chosen[1] is not None:
+                q_rows[b].append(chosen[1])
+            active[b] = depth + 1 < limits[b]
+        if not any(active):
+            break
+        pad = logits.new_zeros(1, dtype=torch.long)
+        fed = torch.stack([tokens[b][-1] if active[b] else pad for b in range(num_rows)])  # [B, 1]
+        logits = step(fed, active)
+    return [chain_draft(t, q, logits.device) for t, q in zip(tokens, q_rows)]
+
+
 def chain_draft(tokens: list[torch.Tensor], q_rows: list[torch.Tensor], device: torch.device) -> Draft:
     """The Draft of a chain drafted a token at a time (tokens [1] each, q rows [1, V] each)."""
     if not tokens:

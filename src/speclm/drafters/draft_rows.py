@@ -9,7 +9,9 @@ one (rounds that were not drafted), one forward of every row's pending token, th
 per depth of every row's newest draft token.
 
 Each request gets a :class:`DraftRowsMember`, an ordinary drafter (reset / propose /
-on_verified / finish) that owns a slot of the group while its request runs. The engine finds
+on_verified / finish) that owns a slot of the group while its request runs. Its prompt enters
+the draft's cache chunk by chunk as the target's prefill feeds it (``on_prefill``), so chunked
+prefill bounds the draft's share of a step as it bounds the target's. The engine finds
 the group through ``batch_group`` and calls :meth:`DraftRows.propose_rows` once per step for
 all of its members; a member's own ``propose`` is the same call for a batch of one.
 
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from ..errors import SpeclmError
 from ..models.rows import RaggedRows
 from .base import Draft, DraftContext
-from .draft_model import chain_draft, choose_draft_token, fit_vocab
+from .draft_model import draft_chains, fit_vocab
 
 
 class DraftRows:
@@ -92,12 +94,14 @@ class DraftRows:
 
     # -- drafting --------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, member: DraftRowsMember, prompt_ids: torch.Tensor) -> None:
-        """The prompt but its last token, as the target holds it (counted as prefill)."""
-        usable = min(prompt_ids.shape[0] - 1, self.max_context - 1)
+    def prefill(self, member: DraftRowsMember, held: torch.Tensor) -> None:
+        """Catch the member's row up with ``held`` ([n]: the prompt tokens the target's cache
+        now holds), as far as the draft's context allows (counted as prefill)."""
+        usable = min(held.shape[0], self.max_context - 1) - member.synced
         if usable > 0:
             slot = member.slot
-            self.rows.forward(range(slot, slot + 1), prompt_ids[None, :usable], [usable], logits=False)
+            fed = held[None, member.synced : member.synced + usable]  # [1, usable]
+            self.rows.forward(range(slot, slot + 1), fed, [usable], logits=False)
             self._grow(member, usable)
 
     @torch.inference_mode()
@@ -132,31 +136,16 @@ class DraftRows:
         logits = self._forward(n, torch.stack([u[-1:] for u in unseen]), logits=True)[:, 0]  # [B, V]
         for m in members:
             self._grow(m, 1)
-        tokens: list[list[torch.Tensor]] = [[] for _ in members]  # row -> [1] each
-        q_rows: list[list[torch.Tensor]] = [[] for _ in members]
-        active = [limit > 0 for limit in limits]
-        for depth in range(max(limits)):
-            for b, ctx in enumerate(ctxs):
-                if not active[b]:
-                    continue
-                chosen = choose_draft_token(logits[b : b + 1], ctx, self.p_min)
-                if chosen is None:
-                    active[b] = False
-                    continue
-                tokens[b].append(chosen[0])
-                if chosen[1] is not None:
-                    q_rows[b].append(chosen[1])
-                active[b] = depth + 1 < limits[b]
-            if not any(active):
-                break
-            fed = torch.stack([tokens[b][-1] if active[b] else logits.new_zeros(1, dtype=torch.long)
-                               for b in range(n)])  # [B, 1]; rows done feed a pad nobody keeps
-            logits = self._forward(n, fed, logits=True)[:, 0]
-            for b, m in enumerate(members):
-                if active[b]:
+
+        def step(fed: torch.Tensor, active: list[bool]) -> torch.Tensor:
+            logits = self._forward(n, fed, logits=True)[:, 0]  # [B, V]
+            for m, on in zip(members, active):
+                if on:
                     self._grow(m, 1)
                     m.fed_drafts += 1
-        drafts = [chain_draft(t, q, logits.device) for t, q in zip(tokens, q_rows)]
+            return logits
+
+        drafts = draft_chains(logits, ctxs, limits, step, self.p_min)
         return [Draft(d.tokens.to(ctx.token_ids.device), d.q_draft) for d, ctx in zip(drafts, ctxs)]
 
 
@@ -179,8 +168,13 @@ class DraftRowsMember:
         if self.slot is None:
             self.slot = self.group._take(self)
         self.group.rows.release(self.slot)
-        self.synced = self.round_start = self.fed_drafts = 0
-        self.group.prefill(self, prompt_ids)
+        self.synced = self.round_start = self.fed_drafts = 0  # the prompt comes by on_prefill
+
+    def on_prefill(self, held: torch.Tensor) -> None:
+        """The target's chunk of the prompt is in: the draft prefills the same tokens, so a
+        long prompt joins the draft in chunks too (a row never prefilled this way, e.g. under
+        ``auto``, catches up when first asked to draft)."""
+        self.group.prefill(self, held)
 
     def propose(self, ctx: DraftContext) -> Draft:
         return self.group.propose_rows([self], [ctx])[0]

@@ -16,19 +16,29 @@ Two layer sets:
 
 Drafts are greedy (argmax) for greedy requests and sampled from q = warp(draft logits) otherwise,
 through the same chain loop as a draft model.
+
+**In a batch** (the eager ragged cache, :class:`~speclm.models.rows.RaggedRows`), one
+:class:`LayerSkipRows` group drafts every row with one skipping forward per depth over the rows'
+shared cache: the draft positions are written at each row's own length, kept while drafting and
+dropped afterwards by lowering the lengths again (the ragged cache's rollback is free), so the
+rows' verification finds the cache as the last step left it. :func:`layer_skip_drafter` picks
+the single-row drafter or a member of the batch's group from the handle the engine gives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import weakref
+
 import torch
 
-from ..errors import SpeclmError
+from ..errors import CacheContractError, SpeclmError
 from ..models.hf import HFCausalLM
-from ..models.layer_subset import LayerSubset, decoder_layers
+from ..models.layer_subset import LayerSubset, check_skip, decoder_layers, skipping
+from ..models.rows import RaggedRows
 from .base import Draft, DraftContext
-from .draft_model import draft_chain
+from .draft_model import draft_chain, draft_chains
 
 
 def early_exit_skip(num_layers: int, exit_after: int) -> tuple[int, ...]:
@@ -50,12 +60,6 @@ class LayerSkipDrafter:
         self.target = target
         self.p_min = p_min
         self.origin = origin  # "given", "searched" or "cached": reported with the stats
-
-    @classmethod
-    def early_exit(cls, target: HFCausalLM, layers: int, p_min: float = 0.0) -> LayerSkipDrafter:
-        """Draft with the first ``layers`` layers (then the final norm and the LM head)."""
-        num_layers = len(decoder_layers(target.model))
-        return cls(target, early_exit_skip(num_layers, layers), p_min, origin=f"early exit {layers}")
 
     @property
     def skip(self) -> tuple[int, ...]:
@@ -83,10 +87,133 @@ class LayerSkipDrafter:
         pass  # the draft keeps no state: the target's cache is the only cache
 
     def report(self) -> dict:
-        kept = len(self.subset.kept)
-        return {"summary": f"{kept} of {self.subset.num_layers} layers ({self.origin}); "
-                           f"skipped {_ranges(self.skip)}",
-                "skip": list(self.skip), "kept_layers": kept}
+        return _report(self.skip, self.subset.num_layers, self.origin)
+
+
+def layer_target(handle) -> HFCausalLM:
+    """The single-row eager target behind a row handle (layer sets are searched on it)."""
+    rows = getattr(handle, "layer_rows", None)
+    return handle if rows is None else rows.target
+
+
+def layer_skip_drafter(handle, skip: Sequence[int], p_min: float = 0.0, origin: str = "given"):
+    """A drafter skipping ``skip`` for the row ``handle`` belongs to: a
+    :class:`LayerSkipDrafter` on a single-row target, or a member of the :class:`LayerSkipRows`
+    group of the batched cache a :class:`~speclm.models.rows.TargetView` names."""
+    rows = getattr(handle, "layer_rows", None)
+    if rows is None:
+        return LayerSkipDrafter(handle, skip, p_min, origin)
+    return LayerSkipRows.of(rows, skip, p_min, origin).member()
+
+
+def early_exit_drafter(handle, layers: int, p_min: float = 0.0):
+    """Early exit after ``layers`` layers for the row ``handle`` belongs to."""
+    num_layers = len(decoder_layers(handle.model))
+    return layer_skip_drafter(handle, early_exit_skip(num_layers, layers), p_min, origin=f"early exit {layers}")
+
+
+class LayerSkipRows:
+    """Layer skipping for every row of a batch on the target's ragged cache: per depth, one
+    forward of the target minus ``skip`` over the rows asked (one group per cache and layer set;
+    see :meth:`of`)."""
+
+    _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rows -> {(skip, p_min): group}
+
+    def __init__(self, rows: RaggedRows, skip: Sequence[int], p_min: float = 0.0, origin: str = "given") -> None:
+        if not 0.0 <= p_min < 1.0:
+            raise SpeclmError(f"draft p_min must be in [0, 1), got {p_min}")
+        self.rows = rows
+        self.model = rows.target.model
+        self.num_layers = len(decoder_layers(self.model))
+        self.skip = check_skip(skip, self.num_layers)
+        self.p_min = p_min
+        self.origin = origin
+
+    @classmethod
+    def of(cls, rows: RaggedRows, skip: Sequence[int], p_min: float = 0.0, origin: str = "given") -> LayerSkipRows:
+        """The group of ``rows`` for this layer set, made on first use: the engine drafts the
+        rows whose drafters share a group in one call."""
+        groups = cls._groups.setdefault(rows, {})
+        key = (tuple(sorted(set(skip))), p_min)
+        if key not in groups:
+            groups[key] = cls(rows, skip, p_min, origin)
+        return groups[key]
+
+    def member(self) -> LayerSkipMember:
+        return LayerSkipMember(self)
+
+    @torch.inference_mode()
+    def propose_rows(self, members: list[LayerSkipMember], ctxs: list[DraftContext]) -> list[Draft]:
+        """Draft for the rows in ``ctxs[b].slot``, each holding ``token_ids[:-1]`` in the cache."""
+        rows = self.rows
+        slots = [ctx.slot for ctx in ctxs]
+        if len(set(slots)) != len(slots):
+            raise SpeclmError("propose_rows takes each slot once")
+        for slot, ctx in zip(slots, ctxs):
+            if rows.length(slot) != ctx.token_ids.shape[0] - 1:
+                raise CacheContractError(f"slot {slot} holds {rows.length(slot)} positions, its "
+                                         f"request {ctx.token_ids.shape[0] - 1}: the engine moved it")
+        # draft positions run up to n + k - 2 in the row's cache
+        limits = [max(0, min(ctx.max_tokens, rows.max_context - int(ctx.token_ids.shape[0]) + 1)) for ctx in ctxs]
+        span = range(min(slots), max(slots) + 1)  # a forward runs contiguous slots
+        at = torch.tensor([s - span.start for s in slots])  # [N] where each asked row sits in the span
+        before = [rows.length(s) for s in span]
+        width = len(span)
+
+        def run(fed: torch.Tensor, active: list[bool]) -> torch.Tensor:
+            """Feed ``fed`` [N, 1] to the asked rows (the span's other rows rewrite a pad at
+            their length, which their verification overwrites); keep what active rows fed."""
+            tokens = torch.zeros(width, 1, dtype=torch.long)  # [S, 1]
+            tokens[at] = fed.cpu()
+            with skipping(self.model, self.skip):
+                out = rows.forward(span, tokens, [1] * width)
+            for slot, on in zip(slots, active):
+                if on:
+                    rows.keep(slot, rows.length(slot) + 1, [])
+            return out.logits[at.to(out.logits.device), 0]  # [N, V]
+
+        try:
+            pending = torch.stack([ctx.token_ids[-1:] for ctx in ctxs])  # [N, 1]
+            logits = run(pending, [limit > 1 for limit in limits])
+            drafts = draft_chains(logits, ctxs, limits, run, self.p_min)
+        finally:
+            for slot, length in zip(span, before):  # the drafts' positions are dropped
+                rows.keep(slot, length, [])
+        return [Draft(d.tokens.to(ctx.token_ids.device), d.q_draft) for d, ctx in zip(drafts, ctxs)]
+
+
+class LayerSkipMember:
+    """One request's layer-skip drafter in a :class:`LayerSkipRows` group (no state of its own:
+    the target's cache is the only cache)."""
+
+    def __init__(self, group: LayerSkipRows) -> None:
+        self.group = group
+
+    @property
+    def batch_group(self) -> LayerSkipRows:
+        return self.group
+
+    @property
+    def skip(self) -> tuple[int, ...]:
+        return self.group.skip
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        pass
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        return self.group.propose_rows([self], [ctx])[0]
+
+    def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
+        pass
+
+    def report(self) -> dict:
+        return _report(self.group.skip, self.group.num_layers, self.group.origin)
+
+
+def _report(skip: tuple[int, ...], num_layers: int, origin: str) -> dict:
+    kept = num_layers - len(skip)
+    return {"summary": f"{kept} of {num_layers} layers ({origin}); skipped {_ranges(skip)}",
+            "skip": list(skip), "kept_layers": kept}
 
 
 def _ranges(indices: Sequence[int]) -> str:

@@ -58,7 +58,8 @@ class DrafterKind:
     build: Callable[[BuildContext, dict], Drafter]
     check: Callable[[dict], None] = lambda options: None  # extra validation, before any loading
     label: Callable[[dict], str] | None = None  # the name in stats (default: the text as given)
-    needs: str | None = None  # "layers": runs the target's own layers (eager torch backend);
+    needs: str | None = None  # "layers": runs the target's own layers (eager torch backend:
+    #                           a single-row target or a batched ragged cache's TargetView);
     #                           "hidden": reads the target's hidden states (torch backends)
 
 
@@ -101,28 +102,28 @@ def _recycle(ctx: BuildContext, o: dict) -> Drafter:
 
 
 def _layerskip(ctx: BuildContext, o: dict) -> Drafter:
-    from .layer_skip import LayerSkipDrafter
+    from .layer_skip import layer_skip_drafter, layer_target
 
     if o["skip"] is not None:
-        return LayerSkipDrafter(ctx.target, o["skip"], o["p_min"])
+        return layer_skip_drafter(ctx.target, o["skip"], o["p_min"])
     from .layer_search import choose_skip
 
-    choice, origin = choose_skip(ctx.target, ctx.tokenizer, ctx.model_path, refresh=bool(o["refresh"]),
-                                 progress=ctx.progress)
+    choice, origin = choose_skip(layer_target(ctx.target), ctx.tokenizer, ctx.model_path,
+                                 refresh=bool(o["refresh"]), progress=ctx.progress)
     if ctx.progress and origin == "searched":
         print(f"speclm: layerskip chose to skip {len(choice.skip)} of {choice.num_layers} layers "
               f"(measured {choice.speedup:.2f}x plain decoding, alpha {choice.alpha:.2f}, "
               f"{choice.seconds:.0f} s)", file=sys.stderr)
-    return LayerSkipDrafter(ctx.target, choice.skip, o["p_min"],
-                            origin=f"{origin} choice, measured {choice.speedup:.2f}x")
+    return layer_skip_drafter(ctx.target, choice.skip, o["p_min"],
+                              origin=f"{origin} choice, measured {choice.speedup:.2f}x")
 
 
 def _early_exit(ctx: BuildContext, o: dict) -> Drafter:
     from ..models.layer_subset import decoder_layers
-    from .layer_skip import LayerSkipDrafter
+    from .layer_skip import early_exit_drafter
 
     layers = o["layers"] or max(1, math.ceil(len(decoder_layers(ctx.target.model)) / 3))
-    return LayerSkipDrafter.early_exit(ctx.target, layers, o["p_min"])
+    return early_exit_drafter(ctx.target, layers, o["p_min"])
 
 
 def _tree_shape(o: dict):
@@ -298,8 +299,8 @@ def drafter_label(spec: OptionString) -> str:
 
 def runs_on(kind: DrafterKind, target) -> bool:
     """Whether ``target``'s backend gives what the drafter needs (see ``DrafterKind.needs``)."""
-    if kind.needs == "layers":
-        return isinstance(target, HFCausalLM)
+    if kind.needs == "layers":  # an eager single-row target, or a view of its batched ragged cache
+        return isinstance(target, HFCausalLM) or getattr(target, "layer_rows", None) is not None
     if kind.needs == "hidden":
         return getattr(target, "returns_hidden", True)
     return True

@@ -172,9 +172,9 @@ class CompiledCausalLM:
         self.capacities = tuple(capacities) if capacities else capacity_buckets(
             self.max_context, self.buckets[-1], min(512, self.max_context + self.buckets[-1]))
         _raise_dynamo_limits(len(self.buckets) * len(self.capacities) * 2)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self._cache = StaticKVCache(self.num_layers, kv_heads, head_dim, self.capacities,
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self._cache = StaticKVCache(self.num_layers, self.kv_heads, self.head_dim, self.capacities,
                                     self.dtype, self.device)
         mode = "reduce-overhead" if self.device.type == "cuda" and compile_backend == "inductor" else None
         self.compile_backend = compile_backend
@@ -249,7 +249,7 @@ class CompiledCausalLM:
         self._cache.reserve(start_pos + padded)
         ids = torch.zeros(padded, dtype=torch.long)
         ids[:num_new] = token_ids.to("cpu", torch.long)
-        positions = self._positions(start_pos, num_new, padded, tree, root_slot)
+        positions = static_positions(start_pos, num_new, padded, tree, root_slot)
         mask = self._mask(start_pos, num_new, padded, tree, root_slot)
         self._cache.start.fill_(start_pos)
         args = (self._cache, ids.to(self.device).view(1, padded), positions.to(self.device).view(1, padded), mask)
@@ -261,10 +261,6 @@ class CompiledCausalLM:
         return ForwardOutput(logits=logits)
 
     # -- helpers --------------------------------------------------------------------------
-    def _positions(self, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
-                   root_slot: int | None) -> torch.Tensor:
-        return static_positions(start_pos, num_new, rows, tree, root_slot)
-
     def _mask(self, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
               root_slot: int | None) -> torch.Tensor:
         allowed = static_allowed(self._cache.capacity, start_pos, num_new, rows, tree, root_slot)
@@ -281,7 +277,7 @@ class CompiledCausalLM:
         for lo in range(0, num_new, chunk):
             n = min(chunk, num_new - lo)
             pos = start_pos + lo
-            positions = self._positions(pos, n, n, tree, root_slot)
+            positions = static_positions(pos, n, n, tree, root_slot)
             mask = self._mask(pos, n, n, tree, root_slot)
             self._cache.start.fill_(pos)
             want = max(0, num_logits - (num_new - lo - n))  # logits rows of this chunk

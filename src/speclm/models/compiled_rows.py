@@ -57,10 +57,7 @@ class CompiledRows:
         describe_target(self, target)
         self.num_slots = num_slots
         self.row_buckets = row_buckets(num_slots)
-        config = target.model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.cache = StaticRowsCache(target.num_layers, kv_heads, head_dim, target.capacities,
+        self.cache = StaticRowsCache(target.num_layers, target.kv_heads, target.head_dim, target.capacities,
                                      target.dtype, target.device, num_slots)
         self._step = target._step
         self._zero, self._neg = target._zero, target._neg

@@ -15,8 +15,12 @@ contiguous range of them.
 - :class:`SlotRows`: one :class:`~speclm.models.base.CausalLM` handle per slot (the target
   itself for slot 0, ``fork()``s for the rest), run one after another. Every backend has this
   (the compiled static cache, llama.cpp), and with one slot it is exactly the single-row
-  backend, so a single request pays nothing for the batch interface. Drafters that run the
-  target's own layers (layerskip, early-exit) get their row's handle through :meth:`handle`.
+  backend, so a single request pays nothing for the batch interface.
+
+Drafters that run the target's own layers (layerskip, early-exit) get a single-row ``CausalLM``
+from :meth:`handle` on one-handle-per-slot rows; on :class:`RaggedRows` they get a
+:class:`TargetView` whose ``layer_rows`` is the batched cache itself, and draft every row in one
+forward per depth (speclm.drafters.layer_skip).
 """
 
 from __future__ import annotations
@@ -221,40 +225,39 @@ class RaggedRows:
         self.model.cache.clear()
 
     def handle(self, slot: int) -> TargetView:
-        return TargetView(self.target)
+        return TargetView(self.target, layer_rows=self)
 
 
 class TargetView:
     """What a drafter may read of a target whose rows share one batched cache: its weights,
-    shapes and device, but no single-row cache to run layers on (layer skipping needs
-    :class:`SlotRows`; ``runs_on`` in drafters/registry.py tells them apart)."""
+    shapes and device, but no single-row cache. ``layer_rows``: the rows themselves where a
+    drafter may run the target's own layers on them (the eager ragged cache), else None."""
 
     returns_hidden = True
 
-    def __init__(self, target) -> None:
+    def __init__(self, target, layer_rows: RaggedRows | None = None) -> None:
         describe_target(self, target)
+        self.target = target
         self.model = target.model
         self.dtype = target.dtype
         self.num_layers = getattr(target, "num_layers", 0)
+        self.layer_rows = layer_rows
 
 
-def make_rows(target: CausalLM, max_batch: int, *, needs_layers: bool = False,
-              needs_trees: bool = False) -> TargetRows:
+def make_rows(target: CausalLM, max_batch: int, *, needs_trees: bool = False) -> TargetRows:
     """The rows a target decodes through: one batched forward where the backend has one for
-    more than one row (eager torch on a model the ragged cache supports; the compiled path and
-    llama.cpp for chains through
-    ``target.batched_rows``), else one handle per slot (every other case, and every drafter).
-    ``needs_layers``: drafters run the target's own layers on a row's cache; ``needs_trees``:
-    drafters grow token trees."""
+    more than one row (eager torch on a model the ragged cache supports; the compiled path, and
+    llama.cpp for chains, through ``target.batched_rows``), else one handle per slot (a batch
+    of one, and every other case). ``needs_trees``: drafters grow token trees."""
     from .hf import HFCausalLM
 
-    if max_batch > 1 and type(target) is HFCausalLM and not needs_layers:
+    if max_batch > 1 and type(target) is HFCausalLM:
         try:
             return RaggedRows(target, max_batch)
         except SpeclmError:  # attention layers the ragged cache does not handle
             pass
     batched = getattr(target, "batched_rows", None)
     takes_trees = getattr(target, "batched_trees", False)  # the compiled path's rows do; llama.cpp's not
-    if max_batch > 1 and callable(batched) and not needs_layers and (takes_trees or not needs_trees):
+    if max_batch > 1 and callable(batched) and (takes_trees or not needs_trees):
         return batched(max_batch)
     return SlotRows(target, max_batch)

@@ -91,7 +91,7 @@ class ServeOptions:
 def build_app(opts: ServeOptions):
     """Load the model and build the FastAPI app (the worker starts with the app's lifespan)."""
     from ..api import LLM
-    from ..drafters.registry import KINDS, parse_drafter
+    from ..drafters.registry import parse_drafter
     from ..engine import Engine
     from ..models.rows import make_rows
     from .app import ServerConfig, ServerState, create_app
@@ -104,16 +104,14 @@ def build_app(opts: ServeOptions):
         backend = "torch"  # the rows of a batch share one forward on eager torch
     llm = LLM(opts.model, None, device=opts.device, dtype=opts.dtype, gguf_file=opts.gguf_file,
               backend=backend, compile=opts.compile, quantize=opts.quantize)
-    rows_drafters, needs_layers, needs_trees = None, False, False
+    rows_drafters, needs_trees = None, False
     if spec is not None:  # one drafter per request, sharing the loaded weights
         rows_drafters = llm.row_drafters(
             spec, opts.draft_max, draft_min=opts.draft_min, adaptive_draft=opts.adaptive,
             async_draft=opts.async_draft, async_fanout=opts.fanout, ngram_min=opts.ngram_min, ngram_max=opts.ngram_max,
             max_batch=opts.max_batch)
-        parsed = parse_drafter(spec)
-        needs_layers = KINDS[parsed.name].needs == "layers"  # a single-row cache per row
-        needs_trees = bool(parsed.options.get("tree"))  # llama.cpp batches chains only
-    rows = make_rows(llm.target, opts.max_batch, needs_layers=needs_layers, needs_trees=needs_trees)
+        needs_trees = bool(parse_drafter(spec).options.get("tree"))  # llama.cpp batches chains only
+    rows = make_rows(llm.target, opts.max_batch, needs_trees=needs_trees)
     factory = draft_length = None
     if rows_drafters is not None:
         factory, draft_length = rows_drafters.factory, rows_drafters.draft_length
