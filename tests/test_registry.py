@@ -10,7 +10,7 @@ import pytest
 from speclm import LLM, SamplingParams, SpeclmError
 from speclm.bench import parse_method
 from speclm.cli import main
-from speclm.drafters.registry import KINDS, is_drafter_spec, parse_drafter
+from speclm.drafters.registry import KINDS, grows_trees, is_drafter_spec, parse_drafter
 from speclm.specs import REQUIRED, IntList, NameList, parse_options
 
 
@@ -36,6 +36,15 @@ def test_registry_names_and_checks():
                          ("hydra", "unknown drafter")]:
         with pytest.raises(SpeclmError, match=needle):
             parse_drafter(text)
+
+
+def test_which_specs_grow_token_trees(tmp_path):
+    """The server batches llama.cpp rows only for drafters that never propose a tree."""
+    grows = {text: grows_trees(parse_drafter(text)) for text in [
+        "ngram", f"draft:path={tmp_path}", f"draft:path={tmp_path},tree=3", f"eagle:path={tmp_path}",
+        f"eagle:path={tmp_path},tree=0", f"medusa:path={tmp_path}", "auto", "auto:candidates=none,ngram,suffix"]}
+    assert [text for text, yes in grows.items() if yes] == [
+        f"draft:path={tmp_path},tree=3", f"eagle:path={tmp_path}", f"medusa:path={tmp_path}"]
 
 
 def test_bench_methods_come_from_the_registry():

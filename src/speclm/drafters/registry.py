@@ -297,6 +297,15 @@ def drafter_label(spec: OptionString) -> str:
     return label(spec.options) if label is not None else spec.label
 
 
+def grows_trees(spec: OptionString) -> bool:
+    """Whether the drafter ``spec`` names may propose token trees: ``tree=N``, Medusa's static
+    tree, or any of ``auto``'s given candidates that does (llama.cpp batches chains only)."""
+    if spec.name == "auto":
+        return any(grows_trees(parse_drafter(text)) for text in spec.options["candidates"] or ()
+                   if text != "none")
+    return spec.name == "medusa" or bool(spec.options.get("tree"))
+
+
 def runs_on(kind: DrafterKind, target) -> bool:
     """Whether ``target``'s backend gives what the drafter needs (see ``DrafterKind.needs``)."""
     if kind.needs == "layers":  # an eager single-row target, or a view of its batched ragged cache

@@ -38,6 +38,8 @@ from ..errors import SpeclmError
 from .quant_linear import Int4Linear
 
 BLOCK = 32  # inputs per Q4_0 / Q4_1 / Q8_0 block
+FOUR_BIT = ("Q4_0", "Q4_1")  # the block types of 4-bit codes
+EXACT_TYPES = (*FOUR_BIT, "Q8_0")  # every type this module runs on the file's own codes
 
 
 @dataclass
@@ -157,7 +159,7 @@ def stores_4bit(gguf_path: Path | str) -> bool:
     from gguf import GGUFReader
 
     try:
-        return any(t.tensor_type.name in ("Q4_0", "Q4_1") for t in GGUFReader(str(gguf_path)).tensors)
+        return any(t.tensor_type.name in FOUR_BIT for t in GGUFReader(str(gguf_path)).tensors)
     except (OSError, ValueError):
         return False
 
@@ -188,7 +190,7 @@ def keep_gguf_int4(model: nn.Module, gguf_path: Path | str) -> KeptBlocks:
             raise SpeclmError(f"layer {name} has no tensor in {Path(gguf_path).name}; is this model "
                               "loaded from that file?")
         type_name = tensor.tensor_type.name
-        if type_name not in ("Q4_0", "Q4_1", "Q8_0"):
+        if type_name not in EXACT_TYPES:
             kept.dense[name] = type_name
             continue
         layer = _from_blocks(tensor.data, type_name, linear.weight.detach(), linear.bias)

@@ -47,7 +47,7 @@ class ServeOptions:
         """Fail on bad values before any model is loaded."""
         from ..draft_length import DraftLengthConfig
         from ..drafters import NgramDrafter
-        from ..drafters.registry import parse_drafter
+        from ..drafters.registry import grows_trees, parse_drafter
 
         DraftLengthConfig(self.draft_max or max(1, self.draft_min), self.draft_min, self.adaptive)
         NgramDrafter(self.ngram_min, self.ngram_max)
@@ -110,7 +110,7 @@ def build_app(opts: ServeOptions):
             spec, opts.draft_max, draft_min=opts.draft_min, adaptive_draft=opts.adaptive,
             async_draft=opts.async_draft, async_fanout=opts.fanout, ngram_min=opts.ngram_min, ngram_max=opts.ngram_max,
             max_batch=opts.max_batch)
-        needs_trees = bool(parse_drafter(spec).options.get("tree"))  # llama.cpp batches chains only
+        needs_trees = grows_trees(parse_drafter(spec))  # llama.cpp batches chains only
     rows = make_rows(llm.target, opts.max_batch, needs_trees=needs_trees)
     factory = draft_length = None
     if rows_drafters is not None:

@@ -1,0 +1,86 @@
+"""What a verify of T tokens costs in matrix products against a one-token step, on this CPU.
+
+A decode step multiplies each weight matrix by one activation row (a matrix-vector product,
+bound by memory bandwidth); a verify step of T tokens multiplies it by T rows. Where the BLAS
+runs small-M products as efficiently as the one-row product, a T-token verify costs about one
+step (speculation's premise); where it does not, each verify costs more and speculation must
+accept more tokens to pay. This runs 30 pairs of the default model's MLP projections
+(576 -> 1536 -> 576, float32, 212 MB of weights: cache-cold, as in a real step) on M rows,
+with PyTorch's own matrix product (ATen: MKL on x86) and through ``torch.compile`` (inductor's
+default, which calls ATen's product; and ``max_autotune`` with inductor's C++ GEMM template
+where it applies), medians of 15 after 3 warm-up runs, and prints the cost per M against M = 1.
+
+    python benchmarks/small_m_gemm.py [--modes aten,inductor,autotune] [--rows 1,2,4,8,16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch import nn
+
+
+class Projections(nn.Module):
+    """30 residual up/down projection pairs of the default model's MLP shape."""
+
+    def __init__(self, layers: int = 30, hidden: int = 576, inner: int = 1536) -> None:
+        super().__init__()
+        self.ups = nn.ModuleList(nn.Linear(hidden, inner, bias=False) for _ in range(layers))
+        self.downs = nn.ModuleList(nn.Linear(inner, hidden, bias=False) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, hidden]
+        for up, down in zip(self.ups, self.downs):
+            x = x + down(torch.relu(up(x)))
+        return x
+
+
+def median_ms(fn, x: torch.Tensor, reps: int = 15) -> float:
+    for _ in range(3):
+        fn(x)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn(x)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def build(model: nn.Module, mode: str):
+    torch._dynamo.reset()
+    if mode == "aten":
+        return model
+    if mode == "inductor":
+        return torch.compile(model, dynamic=False)
+    if mode == "autotune":
+        return torch.compile(model, dynamic=False, options={
+            "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
+    raise SystemExit(f"unknown mode {mode!r}: aten, inductor or autotune")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="aten,inductor,autotune")
+    ap.add_argument("--rows", default="1,2,4,8,16")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    model = Projections().eval()
+    rows = [int(r) for r in args.rows.split(",")]
+    print(f"{torch.get_num_threads()} threads, torch {torch.__version__}, MKL {torch.backends.mkl.is_available()}")
+    print("| rows (M) | " + " | ".join(f"{m} ms | vs M=1" for m in args.modes.split(",")) + " |")
+    print("|---:|" + "---:|---:|" * len(args.modes.split(",")))
+    table: dict[str, dict[int, float]] = {}
+    with torch.no_grad():
+        for mode in args.modes.split(","):
+            for m in rows:  # a fresh compile per shape: each graph is static
+                x = torch.randn(m, 576) * 0.1
+                table.setdefault(mode, {})[m] = median_ms(build(model, mode), x)
+    for m in rows:
+        cells = [f"{table[mode][m]:.1f} | {table[mode][m] / table[mode][rows[0]]:.2f}x" for mode in table]
+        print(f"| {m} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
