@@ -21,7 +21,7 @@ from speclm.drafters import DraftModelDrafter, NgramDrafter
 from speclm.drafters.recycle import RecycleDrafter
 from speclm.drafters.suffix import SuffixDrafter
 from speclm.drafters.auto import AutoDrafter, NoDrafter
-from speclm.drafters.layer_skip import early_exit_drafter, layer_skip_drafter
+from speclm.drafters.layer_skip import LayerSkipDrafter, early_exit_drafter, layer_skip_drafter
 from speclm.drafters.eagle import EagleDrafter
 from speclm.drafters.medusa import MedusaDrafter, best_static_tree
 from speclm.drafters.draft_rows import DraftRows
@@ -187,11 +187,31 @@ def test_chunked_prefill_feeds_a_draft_model_in_the_same_chunks(target):
     short, long = prompts(1, seed=3)[0], torch.randint(1, VOCAB, (150,), generator=gen)
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     solo = [run(lm, p, params)[0] for p in (short, long)]
-    engine = Engine(make_rows(lm, 2), prefill_chunk=16, drafter_factory=lambda h: group.member(),
-                    draft_length=DraftLengthConfig(3, 0, adaptive=False))
+    config = DraftLengthConfig(3, 0, adaptive=False)
+    engine = Engine(make_rows(lm, 2), prefill_chunk=16, drafter_factory=lambda h: group.member(), draft_length=config)
     out = drive(engine, {0: [("short", short, params)], 2: [("long", long, params)]})
     assert [out["short"][0], out["long"][0]] == solo
     assert out["long"][2].drafted_tokens > 0 and max(widths) <= 16
+    # the chunks built the draft's cache right: alone and unchunked, the same drafts are accepted
+    alone = DraftRows(backend(noisy_copy(target, 0.08, seed=3)), VOCAB, 2)
+    engine = Engine(make_rows(lm, 2), drafter_factory=lambda h: alone.member(), draft_length=config)
+    stats = drive(engine, {0: [("long", long, params)]})["long"][2]
+    assert (stats.drafted_tokens, stats.accepted_tokens) == (out["long"][2].drafted_tokens, out["long"][2].accepted_tokens)
+
+
+def test_seeded_sampled_layer_skip_rows_equal_solo(target):
+    """Layer skipping on the batched cache: greedy and seeded sampled rows together give each
+    row the tokens its single-row drafter gives it alone."""
+    lm = backend(target)
+    reqs = prompts(6, seed=13)
+    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=50 + i, ignore_eos=True)
+              if i % 2 else SamplingParams(max_tokens=24, ignore_eos=True) for i in range(len(reqs))]
+    config = DraftLengthConfig(3, 0, adaptive=True)
+    solo = [run(lm, p, sp, LayerSkipDrafter(lm, [1, 2]), config, sp.make_generator())[0]
+            for p, sp in zip(reqs, params)]
+    engine = Engine(make_rows(lm, 6), drafter_factory=lambda h: layer_skip_drafter(h, [1, 2]), draft_length=config)
+    out = drive(engine, {0: [(str(i), p, sp) for i, (p, sp) in enumerate(zip(reqs, params))]})
+    assert [out[str(i)][0] for i in range(len(reqs))] == solo
 
 
 @pytest.mark.parametrize("kind", ["ragged", "slots"])

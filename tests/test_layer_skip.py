@@ -162,6 +162,13 @@ def test_batched_rows_draft_as_each_row_alone_in_one_forward_per_depth(lm):
         torch.testing.assert_close(out, reference)
     with pytest.raises(CacheContractError, match="slot 1"):
         members[1].propose(DraftContext(prompts[1][:-2], 2, SamplingParams(), torch.Generator(), slot=1))
+    import gc
+    import weakref
+
+    gone = weakref.ref(rows)
+    del rows, members, out, drafts
+    gc.collect()
+    assert gone() is None  # the group cache does not keep a server's rows (and cache) alive
 
 
 def test_batched_layer_skip_on_a_sliding_window_model_equals_plain_decoding():

@@ -117,12 +117,14 @@ class LayerSkipRows:
     forward of the target minus ``skip`` over the rows asked (one group per cache and layer set;
     see :meth:`of`)."""
 
-    _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # rows -> {(skip, p_min): group}
+    # rows -> {(skip, p_min, origin): group}; a group holds its rows weakly, so that an entry
+    # goes away with the rows it serves
+    _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __init__(self, rows: RaggedRows, skip: Sequence[int], p_min: float = 0.0, origin: str = "given") -> None:
         if not 0.0 <= p_min < 1.0:
             raise SpeclmError(f"draft p_min must be in [0, 1), got {p_min}")
-        self.rows = rows
+        self._rows = weakref.ref(rows)
         self.model = rows.target.model
         self.num_layers = len(decoder_layers(self.model))
         self.skip = check_skip(skip, self.num_layers)
@@ -134,10 +136,17 @@ class LayerSkipRows:
         """The group of ``rows`` for this layer set, made on first use: the engine drafts the
         rows whose drafters share a group in one call."""
         groups = cls._groups.setdefault(rows, {})
-        key = (tuple(sorted(set(skip))), p_min)
+        key = (tuple(sorted(set(skip))), p_min, origin)
         if key not in groups:
             groups[key] = cls(rows, skip, p_min, origin)
         return groups[key]
+
+    @property
+    def rows(self) -> RaggedRows:
+        rows = self._rows()
+        if rows is None:
+            raise SpeclmError("layer skipping outlived the batched rows it drafted on")
+        return rows
 
     def member(self) -> LayerSkipMember:
         return LayerSkipMember(self)
@@ -153,7 +162,7 @@ class LayerSkipRows:
             if rows.length(slot) != ctx.token_ids.shape[0] - 1:
                 raise CacheContractError(f"slot {slot} holds {rows.length(slot)} positions, its "
                                          f"request {ctx.token_ids.shape[0] - 1}: the engine moved it")
-        # draft positions run up to n + k - 2 in the row's cache
+        # draft positions run up to n + k - 2 <= max_context - 1 in the row's cache
         limits = [max(0, min(ctx.max_tokens, rows.max_context - int(ctx.token_ids.shape[0]) + 1)) for ctx in ctxs]
         span = range(min(slots), max(slots) + 1)  # a forward runs contiguous slots
         at = torch.tensor([s - span.start for s in slots])  # [N] where each asked row sits in the span
@@ -161,15 +170,15 @@ class LayerSkipRows:
         width = len(span)
 
         def run(fed: torch.Tensor, active: list[bool]) -> torch.Tensor:
-            """Feed ``fed`` [N, 1] to the asked rows (the span's other rows rewrite a pad at
-            their length, which their verification overwrites); keep what active rows fed."""
-            tokens = torch.zeros(width, 1, dtype=torch.long)  # [S, 1]
-            tokens[at] = fed.cpu()
+            """Feed ``fed`` [N, 1] to the asked rows and keep what active rows fed. The span's
+            other rows, and asked rows that stopped, go back to their own length and rewrite a
+            pad there, which their verification overwrites (never past the context)."""
+            tokens = fed.new_zeros(width, 1)  # [S, 1], on fed's device: no host sync
+            tokens[at.to(fed.device)] = fed
             with skipping(self.model, self.skip):
                 out = rows.forward(span, tokens, [1] * width)
-            for slot, on in zip(slots, active):
-                if on:
-                    rows.keep(slot, rows.length(slot) + 1, [])
+            for slot, on, b in zip(slots, active, at.tolist()):
+                rows.keep(slot, rows.length(slot) + 1 if on else before[b], [])
             return out.logits[at.to(out.logits.device), 0]  # [N, V]
 
         try:

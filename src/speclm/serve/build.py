@@ -47,7 +47,7 @@ class ServeOptions:
         """Fail on bad values before any model is loaded."""
         from ..draft_length import DraftLengthConfig
         from ..drafters import NgramDrafter
-        from ..drafters.registry import grows_trees, parse_drafter
+        from ..drafters.registry import parse_drafter
 
         DraftLengthConfig(self.draft_max or max(1, self.draft_min), self.draft_min, self.adaptive)
         NgramDrafter(self.ngram_min, self.ngram_max)
@@ -91,7 +91,7 @@ class ServeOptions:
 def build_app(opts: ServeOptions):
     """Load the model and build the FastAPI app (the worker starts with the app's lifespan)."""
     from ..api import LLM
-    from ..drafters.registry import parse_drafter
+    from ..drafters.registry import grows_trees, parse_drafter
     from ..engine import Engine
     from ..models.rows import make_rows
     from .app import ServerConfig, ServerState, create_app
