@@ -48,6 +48,7 @@ from speclm.drafters import DraftModelDrafter
 from speclm.drafters.draft_rows import DraftRows
 from speclm.drafters.layer_skip import LayerSkipDrafter, early_exit_skip, layer_skip_drafter
 from speclm.engine import Engine
+from speclm.errors import SpeclmError
 from speclm.models.hf import HFCausalLM
 from speclm.models.layer_subset import decoder_layers
 from speclm.models.rows import SlotRows, make_rows
@@ -108,12 +109,18 @@ def main() -> None:
     num_layers = len(decoder_layers(target.model))
     skip = None
     if args.early_exit:
-        skip = early_exit_skip(num_layers, args.early_exit)
+        try:
+            skip = early_exit_skip(num_layers, args.early_exit)
+        except SpeclmError as exc:
+            ap.error(f"--early-exit: {exc}")
         label = f"early exit after {args.early_exit} of {num_layers} layers"
     elif args.skip:
         from speclm.specs import IntList
 
-        skip = IntList()(args.skip)
+        try:
+            skip = IntList()(args.skip)
+        except (ValueError, SpeclmError) as exc:
+            ap.error(f"--skip: {exc}")
         label = f"the target minus layers {args.skip}"
     elif args.draft:
         draft = LLM(args.draft, None, backend="torch", dtype=str(target.dtype).removeprefix("torch.")).target

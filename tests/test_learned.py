@@ -14,7 +14,8 @@ from speclm.drafters.tree_search import TreeShape
 from speclm.engine import generate_tokens
 from speclm.errors import SpeclmError
 from speclm.learned.checkpoint import DrafterConfig, TargetIdentity, save_weights
-from speclm.learned.data import hidden_features
+from speclm.learned.answers import Answer
+from speclm.learned.features import batch_features
 from speclm.learned.loader import load_learned_drafter
 from speclm.learned.modules import EagleHead, MedusaHeads
 from speclm.learned.train import EagleTrainer, MedusaTrainer, Sequence, _pad
@@ -120,7 +121,8 @@ def _sequences(target, count=6, length=24, layers=LAYERS):
         prompt = torch.randint(1, V, (4 + i % 3,), generator=torch.Generator().manual_seed(100 + i))
         answer, _ = run(lm, prompt, SamplingParams(max_tokens=length, ignore_eos=True))
         ids = torch.cat([prompt, torch.tensor(answer)])
-        features, target_next = hidden_features(target, ids, layers)
+        seq = batch_features(target, [Answer("k", ids.tolist(), prompt.shape[0], "length")], layers, torch.float64)[0]
+        features, target_next = seq.features, seq.target_next
         assert torch.equal(target_next[prompt.shape[0] - 1 : -1], ids[prompt.shape[0]:].int())  # greedy
         out.append(Sequence(ids, prompt.shape[0], features.double(), target_next))
     return out
@@ -224,8 +226,11 @@ def test_train_drafter_command_end_to_end(method, model_dirs, tmp_path, capsys, 
     out = tmp_path / method
     argv = ["train-drafter", "--method", method, "--target", str(model_dirs["target"]), "--out", str(out),
             "--prompts", str(prompts), "--no-default-prompts", "--max-new-tokens", "12", "--epochs", "2",
-            "--batch-size", "4", "--heads", "2"] + (["--draft-vocab", "128"] if method == "eagle" else [])
+            "--batch-size", "4", "--heads", "2", "--rows", "5", "--self-prompts", "2"] + (
+                ["--draft-vocab", "128"] if method == "eagle" else [])
     assert main(argv) == 0
+    assert "prompts written by the target" in capsys.readouterr().err
+    assert list((out / "features").glob("shard-*.pt"))
     assert (out / "drafter.json").is_file() and (out / "drafter.safetensors").is_file()
     config = DrafterConfig.load(out)
     assert config.kind == method and config.training["epochs"] == 2
@@ -249,6 +254,10 @@ def test_train_drafter_command_end_to_end(method, model_dirs, tmp_path, capsys, 
     (["--max-minutes", "-1"], "--max-minutes must be > 0"),
     (["--lr", "-1"], "--lr must be > 0"),
     (["--heads", "0"], "--heads must be > 0"),
+    (["--rows", "0"], "--rows must be > 0"),
+    (["--data-minutes", "0"], "--data-minutes must be > 0"),
+    (["--max-feature-gb", "-2"], "--max-feature-gb must be > 0"),
+    (["--self-prompts", "-1"], "--self-prompts must be >= 0"),
 ])
 def test_train_drafter_bad_input(argv, needle, model_dirs, tmp_path, capsys):
     from speclm.cli import main

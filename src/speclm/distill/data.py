@@ -3,7 +3,7 @@
 The prompts are speclm's own set (``data/distill_prompts.jsonl``: explanations, summaries,
 passages to answer from, translations, short factual questions, word problems, writing, code and
 chat, written for speclm and disjoint from Spec-Bench), plus any the user adds. The target answers
-each one greedily (batched transformers ``generate``: deterministic, so no random state), and
+each one greedily (rows of the batched engine: deterministic, so no random state), and
 then a teacher-forced pass records, at every position of prompt + answer, the target's top-k
 next-token probabilities: the soft labels the student is trained on.
 """
@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import SpeclmError
-from ..prompts import encode_user_turn, load_prompts
+from ..prompts import load_prompts
 
 DISTILL_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "distill_prompts.jsonl"
 
@@ -39,39 +39,26 @@ def distill_prompts(extra: list[str] | None = None) -> list[str]:
     return texts
 
 
-@torch.inference_mode()
 def target_answers(model, tokenizer, prompts: list[str], eos_ids: list[int], *, max_new_tokens: int,
-                   batch_size: int = 8, max_prompt_len: int = 384, progress: bool = True) -> list[Example]:
-    """Greedy answers of ``model`` to ``prompts``, batched (left-padded) for throughput."""
+                   rows: int = 32, max_prompt_len: int = 384, store_folder: Path | None = None,
+                   deadline: float | None = None, progress: bool = True) -> list[Example]:
+    """Greedy answers of ``model`` (a transformers model) to ``prompts``: rows of the batched
+    engine (speclm.learned.answers), kept in ``store_folder``'s answer store when given (a
+    rerun answers only what it lacks), else in a temporary one."""
+    import tempfile
+
+    from ..learned.answers import AnswerStore, answer_prompts, text_key
+    from ..models.hf import HFCausalLM
+
     if not prompts:
         raise SpeclmError("no prompts to distill on")
-    pad = eos_ids[0] if eos_ids else 0
-    encoded = [encode_user_turn(tokenizer, p, max_prompt_len) for p in prompts]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # similar lengths batch well
-    out: list[Example | None] = [None] * len(encoded)
-    bar = tqdm(total=len(encoded), desc="target answers", unit="prompt", disable=not progress,
-               file=sys.stderr)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        width = max(len(encoded[i]) for i in chunk)
-        ids = torch.full((len(chunk), width), pad, dtype=torch.long)  # [B, W], padded on the left
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for row, i in enumerate(chunk):
-            ids[row, width - len(encoded[i]) :] = torch.tensor(encoded[i])
-            mask[row, width - len(encoded[i]) :] = 1
-        gen = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                             max_new_tokens=max_new_tokens, do_sample=False, temperature=None,
-                             top_k=None, top_p=None, eos_token_id=eos_ids or None, pad_token_id=pad)
-        for row, i in enumerate(chunk):
-            answer = gen[row, width:].tolist()
-            for j, tok in enumerate(answer):
-                if tok in eos_ids:
-                    answer = answer[: j + 1]
-                    break
-            out[i] = Example(torch.tensor(encoded[i] + answer, dtype=torch.long), len(encoded[i]))
-        bar.update(len(chunk))
-    bar.close()
-    return [e for e in out if e is not None and e.ids.shape[0] > e.prompt_len]
+    backend = HFCausalLM(model, frozenset(eos_ids))
+    with tempfile.TemporaryDirectory() as tmp:
+        store = AnswerStore(store_folder if store_folder is not None else Path(tmp))
+        answer_prompts(backend, tokenizer, prompts, store, max_new_tokens=max_new_tokens,
+                       max_prompt_len=max_prompt_len, rows=rows, deadline=deadline, progress=progress)
+        answers = store.answers([text_key(p) for p in prompts])
+    return [Example(torch.tensor(a.ids, dtype=torch.long), a.prompt_len) for a in answers]
 
 
 @torch.inference_mode()

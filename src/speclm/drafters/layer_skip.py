@@ -165,7 +165,8 @@ class LayerSkipRows:
         # draft positions run up to n + k - 2 <= max_context - 1 in the row's cache
         limits = [max(0, min(ctx.max_tokens, rows.max_context - int(ctx.token_ids.shape[0]) + 1)) for ctx in ctxs]
         span = range(min(slots), max(slots) + 1)  # a forward runs contiguous slots
-        at = torch.tensor([s - span.start for s in slots])  # [N] where each asked row sits in the span
+        offsets = [s - span.start for s in slots]  # where each asked row sits in the span
+        at = torch.tensor(offsets)  # [N]
         before = [rows.length(s) for s in span]
         width = len(span)
 
@@ -177,7 +178,7 @@ class LayerSkipRows:
             tokens[at.to(fed.device)] = fed
             with skipping(self.model, self.skip):
                 out = rows.forward(span, tokens, [1] * width)
-            for slot, on, b in zip(slots, active, at.tolist()):
+            for slot, on, b in zip(slots, active, offsets):
                 rows.keep(slot, rows.length(slot) + 1 if on else before[b], [])
             return out.logits[at.to(out.logits.device), 0]  # [N, V]
 

@@ -36,7 +36,18 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                    help="length of the target's answers (default: %(default)s)")
     p.add_argument("--epochs", type=number(int), default=4, help="(default: %(default)s)")
     p.add_argument("--max-minutes", type=number(float), default=None,
-                   help="stop training after this long (data generation not counted)")
+                   help="training time bound (the data stages are bounded by --data-minutes)")
+    p.add_argument("--data-minutes", type=number(float), default=None,
+                   help="time bound on writing prompts and answering them (default: none); answers "
+                        "made so far are kept, the next run goes on from there, and features are "
+                        "then recorded for every answer")
+    p.add_argument("--self-prompts", type=number(int), default=0,
+                   help="also train on this many prompts the target writes itself (a chat model "
+                        "opens a user turn; deduplicated; degenerate ones dropped) (default: 0)")
+    p.add_argument("--rows", type=number(int), default=64,
+                   help="answers decoded together, one batched forward per step (default: %(default)s)")
+    p.add_argument("--max-feature-gb", type=number(float), default=16.0,
+                   help="disk bound on the stored target features in --out (default: %(default)s)")
     p.add_argument("--batch-size", type=number(int), default=8, help="sequences per step (default: %(default)s)")
     p.add_argument("--lr", type=number(float), default=None, help="learning rate (default: 3e-4 eagle, 1e-3 medusa)")
     p.add_argument("--draft-vocab", type=number(int), default=None,
@@ -82,14 +93,15 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.held_out < 0.5:
         raise SpeclmError(f"--held-out must be in (0, 0.5), got {args.held_out}")
     for flag in ("epochs", "max_new_tokens", "batch_size", "heads", "tree_budget", "draft_vocab",
-                 "max_minutes", "lr"):
+                 "max_minutes", "lr", "data_minutes", "rows", "max_feature_gb"):
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise SpeclmError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
-    if args.unroll < 0 or args.seed < 0:
-        raise SpeclmError(f"--unroll and --seed must be >= 0, got {args.unroll} and {args.seed}")
-    if args.no_default_prompts and not args.prompts:
-        raise SpeclmError("--no-default-prompts needs --prompts FILE")
+    if args.unroll < 0 or args.seed < 0 or args.self_prompts < 0:
+        raise SpeclmError(f"--unroll, --seed and --self-prompts must be >= 0, got {args.unroll}, "
+                          f"{args.seed} and {args.self_prompts}")
+    if args.no_default_prompts and not args.prompts and not args.self_prompts:
+        raise SpeclmError("--no-default-prompts needs --prompts FILE or --self-prompts N")
     _feature_layers(args.feature_layers, 10**6)  # malformed text fails before the model loads
     prompts = distill_prompts(args.prompts)
     if args.no_default_prompts:
@@ -107,9 +119,21 @@ def run(args: argparse.Namespace) -> int:
     identity = TargetIdentity.of(target, loaded.name)
     layers = [-1] if args.method == "medusa" else _feature_layers(args.feature_layers, target.config.num_hidden_layers)
     start = time.monotonic()
-    sequences = build_dataset(target, loaded.tokenizer, sorted(loaded.backend.eos_token_ids), prompts,
-                              target_name=loaded.name, fingerprint=identity.fingerprint,
-                              feature_layers=layers, max_new_tokens=args.max_new_tokens, folder=out)
+    deadline = start + 60 * args.data_minutes if args.data_minutes else None
+    if args.self_prompts:
+        from .answers import answers_folder
+        from .self_prompts import write_prompts
+        from ..models.loading import cache_dir
+
+        folder = answers_folder(cache_dir(), loaded.name, identity.fingerprint, "torch", args.max_new_tokens)
+        written, _ = write_prompts(loaded.backend, loaded.tokenizer, args.self_prompts, folder, seed=args.seed,
+                                   known=prompts, rows=args.rows, deadline=deadline)
+        print(f"speclm: {len(written)} prompts written by the target", file=sys.stderr)
+        prompts = prompts + written
+    sequences = build_dataset(loaded.backend, loaded.tokenizer, prompts, target_name=loaded.name,
+                              fingerprint=identity.fingerprint, feature_layers=layers,
+                              max_new_tokens=args.max_new_tokens, folder=out, rows=args.rows,
+                              deadline=deadline, max_feature_bytes=int(args.max_feature_gb * 2**30))
     data_minutes = (time.monotonic() - start) / 60
     if len(sequences) < 4:
         raise SpeclmError(f"only {len(sequences)} usable answers; give more prompts")
