@@ -184,3 +184,28 @@ def test_feature_recording_stops_at_the_disk_bound(lm, tiny_tokenizer, tmp_path,
     done = record_features(lm.model, answers, shards, [1], batch_tokens=1, max_bytes=bound, progress=False)
     assert 1 <= done < len(answers)
     assert "disk bound" in capsys.readouterr().err
+
+
+def test_features_recorded_while_answering_equal_a_teacher_forced_pass(lm, tiny_tokenizer, tmp_path):
+    """The engine hands a FeatureRecorder the target's hidden states of every position it feeds:
+    the same features a second, teacher-forced forward computes, without that forward."""
+    layers = [1, -1]
+    shards = FeatureShards(tmp_path / "features", {"layers": layers})
+    store = AnswerStore(tmp_path / "answers")
+    answer_prompts(lm, tiny_tokenizer, PROMPTS, store, max_new_tokens=9, rows=4, features=shards,
+                   feature_layers=layers, shard_tokens=50, progress=False)
+    answers = store.answers()
+    assert shards.keys == {a.key for a in answers} and len(shards.shards) >= 2
+    recorded = {tuple(s.ids.tolist()): s for s in FeatureShards(tmp_path / "features", {"layers": layers}).load()}
+    for a in answers:
+        seq = recorded[tuple(a.ids)]
+        forced = batch_features(lm.model, [a], layers, torch.float64)[0]
+        assert seq.prompt_len == a.prompt_len and seq.target_next is None
+        assert seq.features.shape == forced.features.shape
+        assert torch.allclose(seq.features[:-1].double(), forced.features[:-1], rtol=1e-2, atol=1e-2)
+        assert not seq.features[-1].any()  # the last token is never fed
+    # a disk bound already reached records nothing more in the same pass
+    full = FeatureShards(tmp_path / "full", {"layers": layers})
+    answer_prompts(lm, tiny_tokenizer, ["one more prompt"], AnswerStore(tmp_path / "more"), max_new_tokens=4,
+                   features=full, feature_layers=layers, max_feature_bytes=0, progress=False)
+    assert not full.keys

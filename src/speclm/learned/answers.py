@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..drafters.base import Draft
 from ..errors import SpeclmError
 from ..sampling import SamplingParams
 
@@ -110,6 +111,37 @@ class AnswerStore(JsonlStore):
         return [a for a in out if a.answer_len > 0]
 
 
+class FeatureRecorder:
+    """A drafter that never drafts and records the target's features: the engine hands a
+    drafter with ``feature_layers`` the target's hidden states at every position it feeds
+    (speclm.drafters.base), so an answer's features come from the very pass that decoded it,
+    with no second forward. Rows of plain decoding feed every position but the last token."""
+
+    def __init__(self, layers: list[int]) -> None:
+        self.feature_layers = tuple(layers)
+        self.parts: list[torch.Tensor] = []
+
+    def reset(self, prompt_ids: torch.Tensor) -> None:
+        self.parts = []
+
+    def propose(self, ctx) -> Draft:
+        return Draft.empty()
+
+    def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
+        pass
+
+    def on_target_features(self, features: torch.Tensor) -> None:  # [t, L * H]
+        self.parts.append(features.to("cpu", torch.bfloat16))
+
+    def features(self, length: int) -> torch.Tensor:
+        """[length, L * H]: the recorded positions, then zeros for the last token (never fed,
+        and never a training input: nothing follows it)."""
+        fed = torch.cat(self.parts)
+        if fed.shape[0] > length:
+            raise RuntimeError(f"recorded {fed.shape[0]} positions for a sequence of {length}")
+        return torch.cat([fed, fed.new_zeros(length - fed.shape[0], fed.shape[1])])
+
+
 @dataclass
 class RunReport:
     """What a batched generation run did."""
@@ -126,11 +158,13 @@ class RunReport:
 
 def run_requests(target, requests: Iterator[tuple[str, list[int], SamplingParams]], *, rows: int,
                  deadline: float | None, on_done, progress_total: int, desc: str,
-                 until: Callable[[], bool] | None = None, progress: bool = True) -> RunReport:
+                 until: Callable[[], bool] | None = None, drafter_for: Callable[[str], object] | None = None,
+                 progress: bool = True) -> RunReport:
     """Decode ``requests`` (id, prompt ids, params) as rows of one engine, at most ``rows`` at a
     time, calling ``on_done(id, prompt_ids, answer_ids, finish)`` as each finishes (it may return
 how far that moves the progress bar, default 1). Stops at
-    ``deadline`` (time.monotonic()) or as soon as ``until()`` holds, dropping unfinished rows."""
+    ``deadline`` (time.monotonic()) or as soon as ``until()`` holds, dropping unfinished rows.
+    ``drafter_for(id)``: the request's drafter (a :class:`FeatureRecorder`), if any."""
     from ..engine import Engine
     from ..models.rows import make_rows
 
@@ -149,7 +183,7 @@ how far that moves the progress bar, default 1). Stops at
                     exhausted = True
                     break
                 rid, prompt, params = item
-                engine.add(rid, prompt, params)
+                engine.add(rid, prompt, params, drafter=drafter_for(rid) if drafter_for is not None else None)
                 live[rid] = (prompt, [])
             if not engine.has_work:
                 break
@@ -179,29 +213,61 @@ how far that moves the progress bar, default 1). Stops at
 
 def answer_prompts(target, tokenizer, prompts: list[str], store: AnswerStore, *, max_new_tokens: int,
                    max_prompt_len: int = 384, rows: int = 16, deadline: float | None = None,
-                   progress: bool = True) -> RunReport:
+                   features=None, feature_layers: list[int] | None = None, shard_tokens: int = 65536,
+                   max_feature_bytes: int | None = None, progress: bool = True) -> RunReport:
     """Greedy answers of ``target`` (a speclm backend: ``LoadedModel.backend``) to the ``prompts``
-    the store lacks, ``rows`` at a time, each written to ``store`` as it finishes."""
+    the store lacks, ``rows`` at a time, each written to ``store`` as it finishes. With
+    ``features`` (a :class:`~speclm.learned.features.FeatureShards`) and ``feature_layers``, the
+    target's features at those layers are recorded in the same pass and written to its shards
+    (``target_next`` None: the prompt positions' own choices are not computed), until the
+    shards reach ``max_feature_bytes``."""
     from ..prompts import encode_user_turn
+    from .train import Sequence
 
     if max_new_tokens < 1 or rows < 1:
         raise SpeclmError(f"max_new_tokens and rows must be >= 1, got {max_new_tokens} and {rows}")
+    if features is not None and not feature_layers:
+        raise SpeclmError("recording features needs the feature layers")
     todo = {text_key(p): p for p in prompts}
     todo = {k: p for k, p in todo.items() if k not in store.keys}
     limit = max(1, min(max_prompt_len, target.max_context - max_new_tokens))
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)
+    recorders: dict[str, FeatureRecorder] = {}
+    pending: list[tuple[str, Sequence]] = []
 
     def requests() -> Iterator[tuple[str, list[int], SamplingParams]]:
         for key, text in todo.items():
             yield key, encode_user_turn(tokenizer, text, limit), params
 
+    def recorder(key: str) -> FeatureRecorder | None:
+        if features is None or (max_feature_bytes is not None and features.nbytes >= max_feature_bytes):
+            return None
+        recorders[key] = FeatureRecorder(feature_layers)
+        return recorders[key]
+
+    def flush() -> None:
+        if pending:
+            features.write(pending)
+            pending.clear()
+
     def done(key: str, prompt: list[int], answer: list[int], finish: str) -> None:
-        store.add(Answer(key, prompt + answer, len(prompt), finish))
+        ids = prompt + answer
+        store.add(Answer(key, ids, len(prompt), finish))
+        rec = recorders.pop(key, None)
+        if rec is not None and answer:
+            pending.append((key, Sequence(torch.tensor(ids), len(prompt), rec.features(len(ids)), None)))
+            if sum(len(s.ids) for _, s in pending) >= shard_tokens:
+                flush()
 
     if not todo:
         return RunReport()
-    return run_requests(target, requests(), rows=rows, deadline=deadline, on_done=done,
-                        progress_total=len(todo), desc="target answers", progress=progress)
+    try:
+        return run_requests(target, requests(), rows=rows, deadline=deadline, on_done=done,
+                            progress_total=len(todo), desc="target answers", drafter_for=recorder,
+                            progress=progress)
+    finally:
+        if features is not None:
+            flush()
 
 
 def answers_folder(root: Path, target_name: str, fingerprint: float, backend: str, max_new_tokens: int) -> Path:

@@ -24,12 +24,17 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
     p = sub.add_parser(
         "train-drafter", help="train Medusa heads or an EAGLE head on the target's own answers",
         description="Self-distillation: the target answers the prompts, the drafter learns to "
-                    "predict its tokens from its hidden states. Resumes from --out when run again.")
+                    "predict its tokens from its hidden states. Stages: prompts the target writes "
+                    "itself (--self-prompts), its greedy answers (--rows at a time on the batched "
+                    "engine, kept in the speclm cache for every drafter of this target), its hidden "
+                    "states (recorded in the same pass, bfloat16 shards in --out), training. Every "
+                    "stage resumes where an interrupted run stopped when run again.")
     p.add_argument("--method", required=True, choices=["medusa", "eagle"], help="which drafter")
     p.add_argument("--target", default="default", help="target model (default: %(default)s)")
-    p.add_argument("--out", required=True, help="folder for the drafter (and its data cache)")
+    p.add_argument("--out", required=True, help="folder for the drafter (and its feature shards)")
     p.add_argument("--prompts", action="append", default=[],
-                   help="JSONL of extra training prompts (Spec-Bench layout), repeatable")
+                   help="JSONL of extra training prompts ({\"turns\": [...]} or {\"prompt\": ...} per "
+                        "line), repeatable")
     p.add_argument("--no-default-prompts", action="store_true",
                    help="train on --prompts only, without speclm's built-in training prompts")
     p.add_argument("--max-new-tokens", type=number(int), default=192,

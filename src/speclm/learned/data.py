@@ -7,7 +7,8 @@ Three resumable stages, each with a progress bar:
    store in the speclm cache (speclm.learned.answers) shared by every drafter trained for the
    same target and answer length;
 3. the target's features at the drafter's layers over prompt + answer, in bfloat16 shards in the
-   drafter's output folder (speclm.learned.features).
+   drafter's output folder (speclm.learned.features): recorded in the same pass as the answers
+   it makes, recomputed by teacher-forced forwards for answers made earlier.
 
 A rerun skips what exists: answers by prompt, features by answer.
 """
@@ -33,17 +34,18 @@ def build_dataset(backend, tokenizer, prompts: list[str], *, target_name: str, f
     from ..models.loading import cache_dir
 
     store = AnswerStore(answers_folder(cache_dir(), target_name, fingerprint, "torch", max_new_tokens))
+    shards = FeatureShards(Path(folder) / FEATURES_DIR,
+                           dict(target=target_name, fingerprint=fingerprint, layers=list(feature_layers),
+                                max_new_tokens=max_new_tokens))
     report = answer_prompts(backend, tokenizer, prompts, store, max_new_tokens=max_new_tokens, rows=rows,
-                            deadline=deadline, progress=progress)
+                            deadline=deadline, features=shards, feature_layers=list(feature_layers),
+                            max_feature_bytes=max_feature_bytes, progress=progress)
     if report.requests:
         print(f"speclm: {report.requests} answers, {report.tokens} tokens in {report.seconds / 60:.1f} min "
               f"({report.tokens_per_s:.0f} tokens/s, {rows} rows) -> {store.path}", file=sys.stderr)
     if report.stopped_early:
         print("speclm: the data time bound came first; the next run answers the rest", file=sys.stderr)
     answers = store.answers([text_key(p) for p in prompts])
-    shards = FeatureShards(Path(folder) / FEATURES_DIR,
-                           dict(target=target_name, fingerprint=fingerprint, layers=list(feature_layers),
-                                max_new_tokens=max_new_tokens))
     recorded = record_features(backend.model, answers, shards, list(feature_layers),
                                max_bytes=max_feature_bytes, progress=progress)
     if not report.requests and not recorded:

@@ -46,9 +46,7 @@ class FeatureShards:
                                   "remove it or use another --out")
             self.shards = saved["shards"]
         self.keys = {k for keys in self.shards.values() for k in keys}
-
-    def nbytes(self) -> int:
-        return sum(p.stat().st_size for p in self.folder.glob("shard-*.pt"))
+        self.nbytes = sum((self.folder / name).stat().st_size for name in self.shards)  # on disk
 
     def write(self, sequences: list[tuple[str, Sequence]]) -> None:
         name = f"shard-{len(self.shards):05d}.pt"
@@ -58,6 +56,7 @@ class FeatureShards:
                         features=[s.features for _, s in sequences],
                         target_next=[s.target_next for _, s in sequences]), tmp)
         tmp.replace(self.folder / name)
+        self.nbytes += (self.folder / name).stat().st_size
         self.shards[name] = [k for k, _ in sequences]
         self.keys.update(self.shards[name])
         index = self.folder / (INDEX_FILE + ".tmp")
@@ -104,7 +103,6 @@ def record_features(model, answers: list[Answer], shards: FeatureShards, layers:
     if not todo:
         return 0
     per_token = 2 * sum(model.config.hidden_size for _ in layers) + 12  # bf16 features, ids, labels
-    used = shards.nbytes()
     bar = tqdm(total=sum(len(a.ids) for a in todo), desc="target features", unit="tok", unit_scale=True,
                disable=not progress, file=sys.stderr)
     pending: list[tuple[str, Sequence]] = []
@@ -117,7 +115,7 @@ def record_features(model, answers: list[Answer], shards: FeatureShards, layers:
             while i + len(batch) < len(todo) and (len(batch) + 1) * len(todo[i + len(batch)].ids) <= batch_tokens:
                 batch.append(todo[i + len(batch)])
             tokens = sum(len(a.ids) for a in batch)
-            if max_bytes is not None and used + (pending_tokens + tokens) * per_token > max_bytes:
+            if max_bytes is not None and shards.nbytes + (pending_tokens + tokens) * per_token > max_bytes:
                 print(f"speclm: stopped recording features at the disk bound ({max_bytes / 2**30:.1f} GiB); "
                       f"{len(todo) - i} answers left without them", file=sys.stderr)
                 break
@@ -128,7 +126,6 @@ def record_features(model, answers: list[Answer], shards: FeatureShards, layers:
             bar.update(tokens)
             if pending_tokens >= shard_tokens:
                 shards.write(pending)
-                used += pending_tokens * per_token
                 done += len(pending)
                 pending, pending_tokens = [], 0
     finally:
