@@ -265,3 +265,20 @@ def test_train_drafter_bad_input(argv, needle, model_dirs, tmp_path, capsys):
     code = main(["train-drafter", "--method", "eagle", "--target", str(model_dirs["target"]),
                  "--out", str(tmp_path / "d"), *argv])
     assert code == 2 and needle in capsys.readouterr().err
+
+
+def test_eagle_head_for_a_target_with_rope_per_layer_type(capsys):
+    """Gemma-3 keeps one rope setting per attention kind: the head takes its last layer's, and
+    starts from random weights where the target's layer is not Llama-shaped (one line says so)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from speclm.learned.modules import _layer_config
+
+    config = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=8,
+                              max_position_embeddings=128, layer_types=["sliding_attention", "full_attention"])
+    assert _layer_config(config).rope_parameters == config.rope_parameters["full_attention"]
+    head = EagleHead.create(Gemma3ForCausalLM(config), [1, -1], torch.arange(64))
+    assert "starts from random weights" in capsys.readouterr().err
+    out = head(torch.zeros(1, 3, 32), torch.zeros(1, 3, 32), torch.arange(3).view(1, 3))
+    assert out.shape == (1, 3, 32) and torch.isfinite(out).all()

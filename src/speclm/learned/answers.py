@@ -162,8 +162,8 @@ def run_requests(target, requests: Iterator[tuple[str, list[int], SamplingParams
                  progress: bool = True) -> RunReport:
     """Decode ``requests`` (id, prompt ids, params) as rows of one engine, at most ``rows`` at a
     time, calling ``on_done(id, prompt_ids, answer_ids, finish)`` as each finishes (it may return
-how far that moves the progress bar, default 1). Stops at
-    ``deadline`` (time.monotonic()) or as soon as ``until()`` holds, dropping unfinished rows.
+    how far that moves the progress bar, default 1). Stops at ``deadline`` (time.monotonic()) or
+    as soon as ``until()`` holds, dropping unfinished rows.
     ``drafter_for(id)``: the request's drafter (a :class:`FeatureRecorder`), if any."""
     from ..engine import Engine
     from ..models.rows import make_rows
@@ -240,7 +240,8 @@ def answer_prompts(target, tokenizer, prompts: list[str], store: AnswerStore, *,
             yield key, encode_user_turn(tokenizer, text, limit), params
 
     def recorder(key: str) -> FeatureRecorder | None:
-        if features is None or (max_feature_bytes is not None and features.nbytes >= max_feature_bytes):
+        if features is None or key in features.keys or (
+                max_feature_bytes is not None and features.nbytes >= max_feature_bytes):
             return None
         recorders[key] = FeatureRecorder(feature_layers)
         return recorders[key]
@@ -276,6 +277,3 @@ def answers_folder(root: Path, target_name: str, fingerprint: float, backend: st
     text = json.dumps([3, target_name, fingerprint, backend, max_new_tokens])
     return Path(root) / "answers" / hashlib.sha256(text.encode()).hexdigest()[:16]
 
-
-def as_tensors(answers: list[Answer]) -> list[tuple[torch.Tensor, int]]:
-    return [(torch.tensor(a.ids, dtype=torch.long), a.prompt_len) for a in answers]

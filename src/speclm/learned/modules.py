@@ -13,6 +13,8 @@ draft id to the target's), so that their output layer costs a fraction of the ta
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -92,6 +94,11 @@ def _layer_config(target_config):
         vocab_size=1, bos_token_id=None, eos_token_id=None, pad_token_id=None,
     )
     rope = getattr(target_config, "rope_parameters", None)  # the target's positions, exactly
+    if rope and "rope_type" not in rope and all(isinstance(v, dict) for v in rope.values()):
+        # per layer type (Gemma-3: sliding and full attention): the last layer's, which the
+        # head starts from
+        kinds = getattr(target_config, "layer_types", None) or ["full_attention"]
+        rope = rope.get(kinds[-1]) or next(iter(rope.values()))
     if rope:
         config.rope_parameters = dict(rope)
     elif getattr(target_config, "rope_theta", None):
@@ -123,8 +130,12 @@ class EagleHead(nn.Module):
         head = EagleHead(target.config, len(feature_layers), draft_to_target.shape[0])
         hidden = target.config.hidden_size
         with torch.no_grad():
-            head.layer.load_state_dict(target.model.layers[-1].state_dict())
-            head.norm.load_state_dict(target.model.norm.state_dict())
+            try:
+                head.layer.load_state_dict(target.model.layers[-1].state_dict())
+                head.norm.load_state_dict(target.model.norm.state_dict())
+            except RuntimeError:  # not a Llama-shaped layer (Gemma-3's extra norms): no warm start
+                print("speclm: the target's last layer is not a Llama layer; the EAGLE head's layer "
+                      "starts from random weights", file=sys.stderr)
             head.fuse.weight.zero_()
             head.fuse.weight[:, -hidden:] = torch.eye(hidden)
             head.fc_in.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], dim=1))
