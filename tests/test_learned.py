@@ -246,6 +246,23 @@ def test_train_drafter_command_end_to_end(method, model_dirs, tmp_path, capsys, 
     assert spec.token_ids == plain.token_ids
 
 
+def test_train_drafter_data_only_makes_the_data_and_stops(model_dirs, tmp_path, capsys, monkeypatch):
+    from speclm.cli import main
+
+    monkeypatch.setenv("SPECLM_CACHE_DIR", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"turns": ["a slow grey cat number {i}"]}}\n' for i in range(6)))
+    out = tmp_path / "eagle"
+    argv = ["train-drafter", "--method", "eagle", "--target", str(model_dirs["target"]), "--out", str(out),
+            "--prompts", str(prompts), "--no-default-prompts", "--max-new-tokens", "8", "--rows", "3"]
+    assert main(argv + ["--data-only"]) == 0
+    assert "without --data-only" in capsys.readouterr().err
+    assert list((out / "features").glob("shard-*.pt")) and not (out / "drafter.json").exists()
+    assert main(argv + ["--epochs", "1", "--draft-vocab", "64"]) == 0  # trains on the data kept
+    assert "using cached training data" in capsys.readouterr().err
+    assert (out / "drafter.json").is_file()
+
+
 @pytest.mark.parametrize("argv,needle", [
     (["--held-out", "0.9"], "--held-out"),
     (["--no-default-prompts"], "needs --prompts"),

@@ -33,9 +33,17 @@ def test_registry_names_and_checks():
     for text, needle in [("ngram:min=4,max=2", "min <= max"), ("layerskip:p_min=2", "p_min"),
                          ("draft", "needs path"), ("draft:path=/no/such", "does not exist"),
                          ("medusa", "needs path"), ("eagle:path=/no/such", "does not exist"),
-                         ("hydra", "unknown drafter")]:
+                         ("hydra", "unknown drafter"), ("quant:tree=2,fit=2", "fit 0 or 1")]:
         with pytest.raises(SpeclmError, match=needle):
             parse_drafter(text)
+
+
+def test_tree_fit_option_reaches_the_shape():
+    from speclm.drafters.registry import _tree_shape
+
+    assert _tree_shape(parse_drafter("quant:tree=3,budget=9").options).fit
+    shape = _tree_shape(parse_drafter("quant:tree=3,budget=9,fit=0").options)
+    assert (shape.top_k, shape.budget, shape.fit) == (3, 9, False)
 
 
 def test_which_specs_grow_token_trees(tmp_path):

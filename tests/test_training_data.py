@@ -188,7 +188,8 @@ def test_feature_recording_stops_at_the_disk_bound(lm, tiny_tokenizer, tmp_path,
 
 def test_features_recorded_while_answering_equal_a_teacher_forced_pass(lm, tiny_tokenizer, tmp_path):
     """The engine hands a FeatureRecorder the target's hidden states of every position it feeds:
-    the same features a second, teacher-forced forward computes, without that forward."""
+    the same features and greedy choices a second, teacher-forced forward computes, without
+    that forward."""
     layers = [1, -1]
     shards = FeatureShards(tmp_path / "features", {"layers": layers})
     store = AnswerStore(tmp_path / "answers")
@@ -200,8 +201,10 @@ def test_features_recorded_while_answering_equal_a_teacher_forced_pass(lm, tiny_
     for a in answers:
         seq = recorded[tuple(a.ids)]
         forced = batch_features(lm.model, [a], layers, torch.float64)[0]
-        assert seq.prompt_len == a.prompt_len and seq.target_next is None
+        assert seq.prompt_len == a.prompt_len
         assert seq.features.shape == forced.features.shape
+        # the target's choice after every position: its LM head on the prompt, the answer after
+        assert torch.equal(seq.target_next[:-1], forced.target_next[:-1])
         assert torch.allclose(seq.features[:-1].double(), forced.features[:-1], rtol=1e-2, atol=1e-2)
         assert not seq.features[-1].any()  # the last token is never fed
     # a disk bound already reached records nothing more in the same pass

@@ -76,6 +76,11 @@ class DraftLengthPolicy:
         self._plain_streak = 0
         self._verified_k = 0  # K of the latest verify
 
+    @property
+    def knows_cost(self) -> bool:
+        """Whether :meth:`verify_s` can answer yet (a cost model, or a plain step timed)."""
+        return self.prior is not None or self.t_plain is not None
+
     def verify_s(self, k: int) -> float:
         """Expected seconds of a target forward that verifies ``k`` drafted tokens."""
         if self.prior is not None:

@@ -319,7 +319,9 @@ class Engine:
         k_max = min(k_max, seq.budget - 1)
         if k_max <= 0:
             return None
-        return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot)
+        timed = not seq.fixed_draft and cfg.adaptive and seq.policy.knows_cost
+        return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
+                            seq.policy.verify_s if timed else None)
 
     def _checked(self, seq: Sequence, draft: Draft, k_max: int) -> Draft:
         if draft.depth > k_max:

@@ -40,11 +40,10 @@ def distill_prompts(extra: list[str] | None = None) -> list[str]:
 
 
 def target_answers(model, tokenizer, prompts: list[str], eos_ids: list[int], *, max_new_tokens: int,
-                   rows: int = 32, max_prompt_len: int = 384, store_folder: Path | None = None,
-                   deadline: float | None = None, progress: bool = True) -> list[Example]:
+                   rows: int = 32, max_prompt_len: int = 384, progress: bool = True) -> list[Example]:
     """Greedy answers of ``model`` (a transformers model) to ``prompts``: rows of the batched
-    engine (speclm.learned.answers), kept in ``store_folder``'s answer store when given (a
-    rerun answers only what it lacks), else in a temporary one."""
+    engine (speclm.learned.answers), through a temporary answer store (the caller caches the
+    finished examples with their soft labels)."""
     import tempfile
 
     from ..learned.answers import AnswerStore, answer_prompts, text_key
@@ -54,9 +53,9 @@ def target_answers(model, tokenizer, prompts: list[str], eos_ids: list[int], *, 
         raise SpeclmError("no prompts to distill on")
     backend = HFCausalLM(model, frozenset(eos_ids))
     with tempfile.TemporaryDirectory() as tmp:
-        store = AnswerStore(store_folder if store_folder is not None else Path(tmp))
+        store = AnswerStore(Path(tmp))
         answer_prompts(backend, tokenizer, prompts, store, max_new_tokens=max_new_tokens,
-                       max_prompt_len=max_prompt_len, rows=rows, deadline=deadline, progress=progress)
+                       max_prompt_len=max_prompt_len, rows=rows, progress=progress)
         answers = store.answers([text_key(p) for p in prompts])
     return [Example(torch.tensor(a.ids, dtype=torch.long), a.prompt_len) for a in answers]
 

@@ -36,6 +36,7 @@ Optional members, looked up with ``getattr`` so that a drafter without them cost
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -55,6 +56,10 @@ class DraftContext:
     generator: torch.Generator  # the request's generator: all draft randomness comes from here
     slot: int = 0  # the row's cache slot in the target's rows this step (drafters that run the
     #               target's own layers on its batched cache read it; slots move between steps)
+    verify_s: Callable[[int], float] | None = None  # seconds the target's forward is expected to
+    #               take verifying n drafted tokens of this row (measured); a tree drafter keeps
+    #               the nodes that pay for it. None: keep the configured size (fixed or seeded
+    #               drafts, whose shape must not depend on timing, or no cost known yet)
 
 
 @dataclass

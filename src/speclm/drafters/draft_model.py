@@ -22,7 +22,7 @@ from ..errors import SpeclmError
 from ..models.base import CausalLM
 from ..sampling import sample_token, warp_probs
 from .base import Draft, DraftContext
-from .tree_search import TreeShape, grow_tree
+from .tree_search import TreeShape, TreeSizer, grow_tree
 
 
 def check_vocab_compatible(target_tokenizer: object, draft_tokenizer: object) -> None:
@@ -153,6 +153,7 @@ class DraftModelDrafter:
         self.target_vocab_size = target_vocab_size
         self.p_min = p_min
         self.tree = tree
+        self.sizer = TreeSizer()  # how many tree nodes pay (trees only)
         self._synced = 0  # committed tokens held in the draft's cache
         self._round_start = 0  # committed length when the last draft was made
         self._fed_drafts = 0  # draft tokens of the last round that went through the draft model
@@ -187,7 +188,7 @@ class DraftModelDrafter:
         self._synced = total
         if self.tree is not None:  # tree nodes are dropped from the cache after the round
             return grow_tree(torch.log_softmax(self._fit_vocab(logits)[0].float(), -1), self,
-                             max_tokens, self.tree)
+                             max_tokens, self.tree, ctx.verify_s, self.sizer)
 
         def step(token: torch.Tensor, i: int) -> torch.Tensor:
             self._fed_drafts += 1
@@ -206,6 +207,7 @@ class DraftModelDrafter:
         return torch.log_softmax(self._fit_vocab(logits).float(), -1)
 
     def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
+        self.sizer.observe(num_accepted)
         # Cached: committed prefix + the draft tokens fed. Keep those that were accepted.
         keep = self._round_start + min(num_accepted, self._fed_drafts)
         self.model.rollback(keep)

@@ -16,7 +16,7 @@ import torch
 from ..tree import TreeMeta
 from .base import Draft, DraftContext
 from .draft_model import draft_chain
-from .tree_search import TreeShape, grow_tree
+from .tree_search import TreeShape, TreeSizer, grow_tree
 
 
 class EagleDrafter:
@@ -29,6 +29,7 @@ class EagleDrafter:
         self.feature_layers = tuple(feature_layers)
         self.vocab_size = vocab_size
         self.tree = tree
+        self.sizer = TreeSizer()  # how many tree nodes pay, calibrated over the requests it drafts
         self._new_cache = lambda: DynamicCache(config=head.config)
         self._param = next(head.parameters())
         self.reset(torch.empty(0, dtype=torch.long))
@@ -44,6 +45,7 @@ class EagleDrafter:
         self.features.append(features)
 
     def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
+        self.sizer.observe(num_accepted)
         extra = self.cache.get_seq_length() - self.processed
         if extra > 0:  # drop what was drafted; committed pairs stay
             self.cache.crop(-extra)
@@ -83,7 +85,8 @@ class EagleDrafter:
         root_logits = self._full_logits(self.root_hidden.view(1, -1))  # [1, V]
         if self.tree is not None:
             self._fed_hidden = self.root_hidden.new_empty(0, self.root_hidden.shape[0])
-            return grow_tree(torch.log_softmax(root_logits[0], -1), self, ctx.max_tokens, self.tree)
+            return grow_tree(torch.log_softmax(root_logits[0], -1), self, ctx.max_tokens, self.tree,
+                             ctx.verify_s, self.sizer)
         return self._chain(root_logits, ctx)
 
     def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:

@@ -19,6 +19,9 @@ drafter is one entry here and no name is tested for anywhere else.
     medusa:path=DIR                  Medusa heads from `speclm train-drafter` (static tree)
     eagle:path=DIR[,tree=4,budget=16]  an EAGLE head from `speclm train-drafter`; dynamic tree
                                      (tree=0: a chain)
+    A tree's budget is its most nodes: with the adaptive draft length (the default) each round
+    keeps the nodes that pay for the target's measured verify cost (drafters/tree_search.py);
+    fit=0 keeps the whole budget every round.
     auto[:candidates=a,b,...]        measure candidates on the live requests, keep the fastest
 """
 
@@ -71,8 +74,8 @@ def _check_ngram(o: dict) -> None:
 def _check_p_min(o: dict) -> None:
     if not 0.0 <= o["p_min"] < 1.0:
         raise SpeclmError(f"p_min must be in [0, 1), got {o['p_min']}")
-    if o.get("tree", 0) < 0 or o.get("budget", 1) < 1:
-        raise SpeclmError("tree must be >= 0 (0: a chain) and budget >= 1")
+    if o.get("tree", 0) < 0 or o.get("budget", 1) < 1 or o.get("fit", 1) not in (0, 1):
+        raise SpeclmError("tree must be >= 0 (0: a chain), budget >= 1 and fit 0 or 1")
     if o.get("tree") and o["p_min"] > 0:
         raise SpeclmError("p_min applies to chains; a tree spends its budget by confidence")
     if o.get("async") and (o.get("tree") or o["p_min"] > 0):
@@ -129,7 +132,7 @@ def _early_exit(ctx: BuildContext, o: dict) -> Drafter:
 def _tree_shape(o: dict):
     from .tree_search import TreeShape
 
-    return TreeShape(top_k=o["tree"], budget=o["budget"]) if o.get("tree") else None
+    return TreeShape(top_k=o["tree"], budget=o["budget"], fit=bool(o.get("fit", 1))) if o.get("tree") else None
 
 
 def _maybe_async(drafter: Drafter, o: dict) -> Drafter:
@@ -171,8 +174,8 @@ def _quant(ctx: BuildContext, o: dict) -> Drafter:
 def _check_learned(o: dict) -> None:
     if not Path(o["path"]).expanduser().is_dir():
         raise SpeclmError(f"drafter folder {o['path']!r} does not exist (make one with speclm train-drafter)")
-    if o.get("tree", 0) < 0 or o.get("budget", 1) < 1:
-        raise SpeclmError("tree must be >= 0 (0: a chain) and budget >= 1")
+    if o.get("tree", 0) < 0 or o.get("budget", 1) < 1 or o.get("fit", 1) not in (0, 1):
+        raise SpeclmError("tree must be >= 0 (0: a chain), budget >= 1 and fit 0 or 1")
 
 
 def _medusa(ctx: BuildContext, o: dict) -> Drafter:
@@ -185,7 +188,7 @@ def _eagle(ctx: BuildContext, o: dict) -> Drafter:
     from ..learned.loader import load_learned_drafter
 
     return load_learned_drafter(o["path"], ctx.target, "eagle", top_k=max(1, o["tree"]),
-                                budget=o["budget"], tree=o["tree"] > 0)
+                                budget=o["budget"], tree=o["tree"] > 0, fit=bool(o["fit"]))
 
 
 def auto_candidates(ctx: BuildContext) -> tuple[str, ...]:
@@ -255,19 +258,19 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
                 {"layers": (int, 0), "p_min": (float, 0.0)}, 3, _early_exit, _check_p_min,
                 needs="layers"),
     DrafterKind("draft", "a smaller model sharing the target's tokenizer (tree=N: a token tree)",
-                {"path": (str, REQUIRED), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16),
+                {"path": (str, REQUIRED), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16), "fit": (int, 1),
                  **_ASYNC}, 5, _draft, _check_p_min),
     DrafterKind("distilled", "the draft model `speclm distill` made for this target",
-                {"path": (str, None), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16),
+                {"path": (str, None), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16), "fit": (int, 1),
                  **_ASYNC}, 5, _distilled, _check_p_min),
     DrafterKind("quant", "the target's own weights at fewer bits (int8/int4; a requantized GGUF)",
                 {"bits": (int, 4), "fast": (int, 0), "p_min": (float, 0.0), "tree": (int, 0),
-                 "budget": (int, 16), **_ASYNC}, 5, _quant, _check_quant,
+                 "budget": (int, 16), "fit": (int, 1), **_ASYNC}, 5, _quant, _check_quant,
                 label=lambda o: f"quant[{o['bits']}-bit]"),
     DrafterKind("medusa", "Medusa heads made by `speclm train-drafter` (a static token tree)",
                 {"path": (str, REQUIRED)}, 4, _medusa, _check_learned, needs="hidden"),
     DrafterKind("eagle", "an EAGLE head made by `speclm train-drafter` (a dynamic token tree)",
-                {"path": (str, REQUIRED), "tree": (int, 4), "budget": (int, 16)}, 5, _eagle, _check_learned,
+                {"path": (str, REQUIRED), "tree": (int, 4), "budget": (int, 16), "fit": (int, 1)}, 5, _eagle, _check_learned,
                 needs="hidden"),
     DrafterKind("auto", "measure candidates on the live requests and keep the fastest",
                 {"candidates": (NameList(), None), "probe": (int, 6), "every": (int, 256)}, 10,

@@ -7,12 +7,22 @@ most confident new candidates are expanded (fed to the drafter); each expanded n
 ``top_k`` best children as candidates. Finally the ``budget`` most confident candidates of all
 depths are kept; a child's score never exceeds its parent's, so the kept set is a tree.
 
+How many nodes to keep is a question of cost (:class:`TreeSizer`): where a verify is nearly free
+(a GPU) the whole ``budget`` pays; on a CPU each node fed to the target costs a measurable part
+of a plain step, and a weak drafter's low-confidence nodes cost more than they return. Given the
+target's measured verify cost, the sizer keeps the ``n`` most confident nodes that maximise
+expected tokens per second.
+
 The children are chosen deterministically (top-k), so the verifier treats them as one-hot q: the
-output stays exactly the target's, greedy or sampled.
+output stays exactly the target's, greedy or sampled, whatever size the tree is cut to (the size
+depends on timing, never on the request's random draws).
 """
 
 from __future__ import annotations
 
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -26,10 +36,12 @@ from .base import Draft
 @dataclass(frozen=True)
 class TreeShape:
     """How a dynamic tree grows: ``top_k`` children per expanded node and ``top_k`` nodes
-    expanded per depth (the depth itself is the round's K), at most ``budget`` nodes kept."""
+    expanded per depth (the depth itself is the round's K), at most ``budget`` nodes kept;
+    ``fit``: keep only the nodes that pay for the measured verify cost when it is known."""
 
     top_k: int = 4
     budget: int = 16
+    fit: bool = True
 
     def __post_init__(self) -> None:
         if self.top_k < 1 or self.budget < 1:
@@ -42,12 +54,62 @@ class TreeStepper(Protocol):
         order fed); return the drafter's log-probabilities for their next tokens: [T, V]."""
 
 
-def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, shape: TreeShape) -> Draft:
+class TreeSizer:
+    """Chooses how many of a grown tree's nodes the target verifies, from measured costs.
+
+    With the candidates sorted by path confidence ``s_i`` (the drafter's cumulative
+    log-probability), keeping the first ``n`` gives
+
+        E[tokens | n] = 1 + c * sum_{i < n} exp(s_i)     (each node's chance of being accepted)
+        rate(n)       = E[tokens | n] / (draft_s + verify_s(n))
+
+    and the sizer keeps the ``n`` in ``[1, budget]`` with the highest rate (at least one node, so
+    that acceptance keeps being measured: whether to draft at all is the draft-length policy's
+    call). ``c`` calibrates the drafter's confidence against what the target accepts: a moving
+    average of accepted tokens over predicted ones, so an overconfident drafter's trees shrink.
+    """
+
+    _EMA = 0.1
+
+    def __init__(self) -> None:
+        self.calibration = 1.0  # c: accepted / predicted, moving average
+        self._accepted = 1.0  # moving averages of both sides of c
+        self._predicted = 1.0
+        self._pending: float | None = None  # predicted accepted tokens of the last kept tree
+
+    def keep(self, sorted_scores: torch.Tensor, budget: int, verify_s: Callable[[int], float],
+             draft_s: float) -> int:
+        """How many of the ``sorted_scores`` ([N] path log-confidences, best first) to keep."""
+        confidence = sorted_scores[:budget].double().exp().cumsum(0).tolist()  # [n]: sum of the first n
+        best_n, best_rate = 1, -math.inf
+        for n, expected in enumerate(confidence, start=1):
+            rate = (1.0 + self.calibration * expected) / (draft_s + verify_s(n))
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        self._pending = confidence[best_n - 1] if confidence else None
+        return best_n
+
+    def observe(self, num_accepted: int) -> None:
+        """The target accepted ``num_accepted`` tokens of the tree last kept."""
+        if self._pending is None:
+            return
+        w = self._EMA
+        self._accepted = (1 - w) * self._accepted + w * num_accepted
+        self._predicted = (1 - w) * self._predicted + w * self._pending
+        self.calibration = min(2.0, max(0.02, self._accepted / max(self._predicted, 1e-6)))
+        self._pending = None
+
+
+def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, shape: TreeShape,
+              verify_s: Callable[[int], float] | None = None, sizer: TreeSizer | None = None) -> Draft:
     """Grow a tree of at most ``depth`` levels from the pending token's draft log-probs ([V]).
 
+    Keeps ``shape.budget`` nodes, or, given the target's verify cost (``verify_s(n)``: seconds
+    of a forward verifying n drafted tokens) and a ``sizer``, the number that pays best.
     Candidate bookkeeping lives on the host (a few dozen entries); one sync per level brings the
     new candidates' top-k over.
     """
+    started = time.perf_counter()
     k = min(shape.top_k, root_logprobs.shape[-1])
     scores, tokens = (t.cpu() for t in torch.topk(root_logprobs.float(), k))  # [N] candidates
     parent = torch.full((k,), -1, dtype=torch.long)  # [N] each candidate's parent candidate
@@ -72,7 +134,10 @@ def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, sha
     # keep the most confident; on equal scores the shallower first, so ancestors come first
     order = torch.sort(level, stable=True).indices
     order = order[torch.sort(-scores[order], stable=True).indices]
-    kept = order[: shape.budget]
+    budget = shape.budget
+    if shape.fit and verify_s is not None and sizer is not None:
+        budget = sizer.keep(scores[order], budget, verify_s, time.perf_counter() - started)
+    kept = order[:budget]
     kept = kept[torch.argsort(level[kept] * scores.shape[0] + kept)]  # topological order
     position = torch.full(scores.shape, -1, dtype=torch.long)
     position[kept] = torch.arange(kept.shape[0])

@@ -115,14 +115,25 @@ class FeatureRecorder:
     """A drafter that never drafts and records the target's features: the engine hands a
     drafter with ``feature_layers`` the target's hidden states at every position it feeds
     (speclm.drafters.base), so an answer's features come from the very pass that decoded it,
-    with no second forward. Rows of plain decoding feed every position but the last token."""
+    with no second forward. Rows of plain decoding feed every position but the last token.
 
-    def __init__(self, layers: list[int]) -> None:
-        self.feature_layers = tuple(layers)
+    With the target's ``lm_head``, it also records the target's own greedy choice after each
+    prompt position (from the last layer, which it asks for beside ``layers``): the label the
+    drafter's first step learns there. After an answer position the choice is the answer's
+    next token (greedy decoding), so the head runs on the prompt's positions only."""
+
+    def __init__(self, layers: list[int], lm_head: torch.nn.Module | None = None) -> None:
+        self.layers = tuple(layers)
+        self.lm_head = lm_head
+        self.feature_layers = self.layers + ((-1,) if lm_head is not None else ())
         self.parts: list[torch.Tensor] = []
+        self.choices: list[torch.Tensor] = []  # [t] int32 per prompt chunk
+        self.prompt_positions = 0  # positions whose choice is not the next committed token
+        self.seen = 0
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
-        self.parts = []
+        self.parts, self.choices, self.seen = [], [], 0
+        self.prompt_positions = max(0, int(prompt_ids.shape[0]) - 1)
 
     def propose(self, ctx) -> Draft:
         return Draft.empty()
@@ -130,16 +141,34 @@ class FeatureRecorder:
     def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
         pass
 
-    def on_target_features(self, features: torch.Tensor) -> None:  # [t, L * H]
-        self.parts.append(features.to("cpu", torch.bfloat16))
+    @torch.inference_mode()
+    def on_target_features(self, features: torch.Tensor) -> None:  # [t, (L [+ 1]) * H]
+        width = features.shape[1] // len(self.feature_layers) * len(self.layers)
+        self.parts.append(features[:, :width].to(torch.bfloat16, copy=True))  # stays on the device
+        prompt = min(features.shape[0], self.prompt_positions - self.seen)
+        if self.lm_head is not None and prompt > 0:
+            last = features[:prompt, width:].to(self.lm_head.weight.dtype)  # [p, H] after the final norm
+            self.choices.append(self.lm_head(last).argmax(-1).to(torch.int32))
+        self.seen += features.shape[0]
 
     def features(self, length: int) -> torch.Tensor:
         """[length, L * H]: the recorded positions, then zeros for the last token (never fed,
         and never a training input: nothing follows it)."""
-        fed = torch.cat(self.parts)
+        fed = torch.cat(self.parts).cpu()  # one copy to the host per answer
         if fed.shape[0] > length:
             raise RuntimeError(f"recorded {fed.shape[0]} positions for a sequence of {length}")
         return torch.cat([fed, fed.new_zeros(length - fed.shape[0], fed.shape[1])])
+
+    def target_next(self, ids: list[int]) -> torch.Tensor | None:
+        """[len(ids)] int32: the target's greedy choice after each position (the prompt's from
+        its LM head, the answer's its next token; 0 after the last), or None without a head."""
+        if self.lm_head is None:
+            return None
+        prompt = torch.cat(self.choices).cpu() if self.choices else torch.empty(0, dtype=torch.int32)
+        if prompt.shape[0] != self.prompt_positions:
+            raise RuntimeError(f"recorded {prompt.shape[0]} prompt choices for {self.prompt_positions} positions")
+        answer = torch.tensor(ids[self.prompt_positions + 1:] + [0], dtype=torch.int32)
+        return torch.cat([prompt, answer])
 
 
 @dataclass
@@ -218,9 +247,8 @@ def answer_prompts(target, tokenizer, prompts: list[str], store: AnswerStore, *,
     """Greedy answers of ``target`` (a speclm backend: ``LoadedModel.backend``) to the ``prompts``
     the store lacks, ``rows`` at a time, each written to ``store`` as it finishes. With
     ``features`` (a :class:`~speclm.learned.features.FeatureShards`) and ``feature_layers``, the
-    target's features at those layers are recorded in the same pass and written to its shards
-    (``target_next`` None: the prompt positions' own choices are not computed), until the
-    shards reach ``max_feature_bytes``."""
+    target's features at those layers are recorded in the same pass and written to its shards,
+    with its greedy choice after every position, until the shards reach ``max_feature_bytes``."""
     from ..prompts import encode_user_turn
     from .train import Sequence
 
@@ -243,7 +271,7 @@ def answer_prompts(target, tokenizer, prompts: list[str], store: AnswerStore, *,
         if features is None or key in features.keys or (
                 max_feature_bytes is not None and features.nbytes >= max_feature_bytes):
             return None
-        recorders[key] = FeatureRecorder(feature_layers)
+        recorders[key] = FeatureRecorder(feature_layers, target.model.get_output_embeddings())
         return recorders[key]
 
     def flush() -> None:
@@ -256,7 +284,8 @@ def answer_prompts(target, tokenizer, prompts: list[str], store: AnswerStore, *,
         store.add(Answer(key, ids, len(prompt), finish))
         rec = recorders.pop(key, None)
         if rec is not None and answer:
-            pending.append((key, Sequence(torch.tensor(ids), len(prompt), rec.features(len(ids)), None)))
+            pending.append((key, Sequence(torch.tensor(ids), len(prompt), rec.features(len(ids)),
+                                          rec.target_next(ids))))
             if sum(len(s.ids) for _, s in pending) >= shard_tokens:
                 flush()
 

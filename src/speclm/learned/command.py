@@ -46,6 +46,9 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                    help="time bound on writing prompts and answering them (default: none); answers "
                         "made so far are kept, the next run goes on from there, and features are "
                         "then recorded for every answer")
+    p.add_argument("--data-only", action="store_true",
+                   help="stop after the data stages (prompts, answers, features): train later, with "
+                        "the same --out, from the data kept")
     p.add_argument("--self-prompts", type=number(int), default=0,
                    help="also train on this many prompts the target writes itself (a chat model "
                         "opens a user turn; deduplicated; degenerate ones dropped) (default: 0)")
@@ -138,7 +141,12 @@ def run(args: argparse.Namespace) -> int:
     sequences = build_dataset(loaded.backend, loaded.tokenizer, prompts, target_name=loaded.name,
                               fingerprint=identity.fingerprint, feature_layers=layers,
                               max_new_tokens=args.max_new_tokens, folder=out, rows=args.rows,
-                              deadline=deadline, max_feature_bytes=int(args.max_feature_gb * 2**30))
+                              deadline=deadline, max_feature_bytes=int(args.max_feature_gb * 2**30),
+                              load=not args.data_only)
+    if args.data_only:
+        print(f"speclm: data stages done in {(time.monotonic() - start) / 60:.1f} min; run again without "
+              f"--data-only (same --out) to train", file=sys.stderr)
+        return 0
     data_minutes = (time.monotonic() - start) / 60
     if len(sequences) < 4:
         raise SpeclmError(f"only {len(sequences)} usable answers; give more prompts")

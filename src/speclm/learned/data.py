@@ -28,8 +28,9 @@ FEATURES_DIR = "features"
 def build_dataset(backend, tokenizer, prompts: list[str], *, target_name: str, fingerprint: float,
                   feature_layers: list[int], max_new_tokens: int, folder: Path, rows: int = 64,
                   deadline: float | None = None, max_feature_bytes: int | None = None,
-                  progress: bool = True) -> list[Sequence]:
-    """Answers (up to ``deadline``) and features for ``prompts``: the sequences to train on.
+                  load: bool = True, progress: bool = True) -> list[Sequence] | None:
+    """Answers (up to ``deadline``) and features for ``prompts``: the sequences to train on
+    (None with ``load=False``: the data are made and kept, not read back).
     ``backend``: the target as a speclm backend (``LoadedModel.backend``, eager torch)."""
     from ..models.loading import cache_dir
 
@@ -51,4 +52,4 @@ def build_dataset(backend, tokenizer, prompts: list[str], *, target_name: str, f
     if not report.requests and not recorded:
         print(f"speclm: using cached training data ({len(answers)} answers from {store.path}, features "
               f"from {shards.folder})", file=sys.stderr)
-    return shards.load({a.key for a in answers})
+    return shards.load({a.key for a in answers}) if load else None

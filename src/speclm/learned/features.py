@@ -102,7 +102,7 @@ def record_features(model, answers: list[Answer], shards: FeatureShards, layers:
     todo = sorted((a for a in answers if a.key not in shards.keys), key=lambda a: len(a.ids))
     if not todo:
         return 0
-    per_token = 2 * sum(model.config.hidden_size for _ in layers) + 12  # bf16 features, ids, labels
+    per_token = 2 * model.config.hidden_size * len(layers) + 12  # bf16 features, ids, labels
     bar = tqdm(total=sum(len(a.ids) for a in todo), desc="target features", unit="tok", unit_scale=True,
                disable=not progress, file=sys.stderr)
     pending: list[tuple[str, Sequence]] = []

@@ -13,7 +13,7 @@ from .checkpoint import DrafterConfig, TargetIdentity, load_weights
 
 
 def load_learned_drafter(folder: str | Path, target: HFCausalLM, kind: str, *, top_k: int = 4,
-                         budget: int = 16, tree: bool = True):
+                         budget: int = 16, tree: bool = True, fit: bool = True):
     """A :class:`MedusaDrafter` or :class:`EagleDrafter` from ``folder`` for ``target``.
 
     ``kind`` is what the user asked for ("medusa" or "eagle"); a folder holding the other kind is
@@ -31,7 +31,7 @@ def load_learned_drafter(folder: str | Path, target: HFCausalLM, kind: str, *, t
     if config.kind == "medusa":
         paths = config.training.get("tree") or [[0] * d for d in range(1, config.num_heads + 1)]
         return MedusaDrafter(module, paths)
-    shape = TreeShape(top_k=top_k, budget=budget) if tree else None
+    shape = TreeShape(top_k=top_k, budget=budget, fit=fit) if tree else None
     return EagleDrafter(module, target.model.get_input_embeddings(), config.feature_layers,
                         target.vocab_size, shape)
 
