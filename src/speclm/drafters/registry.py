@@ -66,6 +66,11 @@ class DrafterKind:
     #                           "hidden": reads the target's hidden states (torch backends)
 
 
+def _check_tree(o: dict) -> None:
+    if o.get("tree", 0) < 0 or o.get("budget", 1) < 1 or o.get("fit", 1) not in (0, 1):
+        raise SpeclmError("tree must be >= 0 (0: a chain), budget >= 1 and fit 0 or 1")
+
+
 def _check_ngram(o: dict) -> None:
     if not 1 <= o["min"] <= o["max"]:
         raise SpeclmError(f"n-gram sizes need 1 <= min <= max, got min={o['min']} max={o['max']}")
@@ -74,8 +79,7 @@ def _check_ngram(o: dict) -> None:
 def _check_p_min(o: dict) -> None:
     if not 0.0 <= o["p_min"] < 1.0:
         raise SpeclmError(f"p_min must be in [0, 1), got {o['p_min']}")
-    if o.get("tree", 0) < 0 or o.get("budget", 1) < 1 or o.get("fit", 1) not in (0, 1):
-        raise SpeclmError("tree must be >= 0 (0: a chain), budget >= 1 and fit 0 or 1")
+    _check_tree(o)
     if o.get("tree") and o["p_min"] > 0:
         raise SpeclmError("p_min applies to chains; a tree spends its budget by confidence")
     if o.get("async") and (o.get("tree") or o["p_min"] > 0):
@@ -174,8 +178,7 @@ def _quant(ctx: BuildContext, o: dict) -> Drafter:
 def _check_learned(o: dict) -> None:
     if not Path(o["path"]).expanduser().is_dir():
         raise SpeclmError(f"drafter folder {o['path']!r} does not exist (make one with speclm train-drafter)")
-    if o.get("tree", 0) < 0 or o.get("budget", 1) < 1 or o.get("fit", 1) not in (0, 1):
-        raise SpeclmError("tree must be >= 0 (0: a chain), budget >= 1 and fit 0 or 1")
+    _check_tree(o)
 
 
 def _medusa(ctx: BuildContext, o: dict) -> Drafter:
