@@ -128,16 +128,26 @@ def test_rollback_compact_and_contract(quick, target64):
     assert quick.cache_length == 0
 
 
-def test_hidden_states_fall_back_to_eager(quick, target64):
+@pytest.mark.parametrize("fed", [10, 3])  # 10 tokens: past the largest bucket, eager; 3: compiled
+def test_hidden_states_of_selected_layers(quick, target64, fed):
+    """A drafter's feature layers come back from the compiled step (a graph per layer set) as
+    from the eager one: equal to the reference, indexed by layer, None where not asked."""
     ref = backend(target64)
-    ids = _ids(10)
     for m in (quick, ref):
         m.reset()
-    a = quick.forward(ids, 0, num_logits=2, return_hidden=[0, -1])
-    b = ref.forward(ids, 0, num_logits=2, return_hidden=[0, -1])
+        m.forward(_ids(5, 3), 0)
+    graphs = set(quick._step.seen_hidden)
+    a = quick.forward(_ids(fed), 5, num_logits=2, return_hidden=[0, -1])
+    b = ref.forward(_ids(fed), 5, num_logits=2, return_hidden=[0, -1])
     _same(a, b)
-    torch.testing.assert_close(a.hidden_states[-1], b.hidden_states[-1])
-    assert a.hidden_states[1] is None and quick.cache_length == 10
+    for layer in (0, -1):
+        torch.testing.assert_close(a.hidden_states[layer], b.hidden_states[layer], rtol=0, atol=1e-10)
+        assert a.hidden_states[layer].shape == (fed, target64.config.hidden_size)
+    assert a.hidden_states[1] is None and quick.cache_length == 5 + fed
+    if fed == 3:
+        assert ((4, 32), (0, target64.config.num_hidden_layers)) in quick._step.seen_hidden
+    else:
+        assert quick._step.seen_hidden == graphs
 
 
 def test_fork_shares_weights_and_step(quick, target64):

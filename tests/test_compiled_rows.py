@@ -168,8 +168,9 @@ def test_server_batches_rows_on_the_compiled_path(model_dirs, monkeypatch):
     warmup = CompiledRows.warmup
     steps = []
 
-    def warm(self, k):
-        spent = warmup(self, k)
+    def warm(self, k, layers=()):
+        assert not layers  # prompt lookup reads no features
+        spent = warmup(self, k, layers=layers)
         graphs.append({key for key in self._step.seen if len(key) == 3})  # (rows, tokens, capacity)
         steps.append(self._step)
         return spent

@@ -77,6 +77,40 @@ def test_greedy_identity(target, name, k):
     assert accepted > 0
 
 
+@pytest.mark.compiled
+@pytest.mark.parametrize("name", ["medusa", "eagle-tree"])  # layer -1; two middle layers
+def test_learned_drafters_read_features_from_the_compiled_step(target, name):
+    """On the compiled path the verify step itself returns the drafter's feature layers (no
+    eager forward per round): each request gets plain decoding's tokens and the same
+    acceptance as on the eager backend, alone and as rows of one batch."""
+    from speclm.engine import Engine
+    from speclm.models.compiled import make_compiled
+    from speclm.models.rows import make_rows
+
+    fast = make_compiled(target, frozenset({0}), buckets=(4, 16), capacities=(64,),
+                         compile_backend="aot_eager")  # few buckets: few graphs to trace
+    lm, make = backend(target), drafters(target)[name]
+    greedy = SamplingParams(max_tokens=16, ignore_eos=True)
+    prompts = [torch.randint(1, V, (4 + 3 * i,), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    solo = []
+    for prompt in prompts:
+        want, want_stats = run(lm, prompt, greedy, make())
+        got, stats = run(fast, prompt, greedy, make())
+        assert got == want == run(lm, prompt, greedy)[0]
+        assert (stats.accepted_tokens, stats.drafted_tokens) == (want_stats.accepted_tokens, want_stats.drafted_tokens)
+        solo.append(got)
+    assert fast._step.seen_hidden  # the verifies ran compiled, features included
+    engine = Engine(make_rows(fast, 2), drafter_factory=lambda handle: make(), draft_length=DraftLengthConfig(3))
+    for i, prompt in enumerate(prompts):
+        engine.add(str(i), prompt, greedy)
+    out = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work:
+        for o in engine.step()[0]:
+            out[o.request_id] += o.step.tokens
+    assert [out[str(i)] for i in range(len(prompts))] == solo
+    assert any(len(key) == 3 for key, _ in fast._step.seen_hidden)  # (rows, tokens, capacity) graphs
+
+
 @pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree", "medusa"])
 def test_sampling_matches_target_distribution(name):
     from itertools import product

@@ -150,11 +150,13 @@ class LLM:
         )
         self.warmup(self.speculation)
 
-    def warmup(self, speculation: Speculation | int | None = None, longest: int = 0) -> None:
+    def warmup(self, speculation: Speculation | int | None = None, longest: int = 0,
+               layers: Sequence[int] = ()) -> None:
         """Compile the fast path's steps for ``speculation``'s widest verify (or a draft cap
         K) now, rather than in the middle of a request, for requests of up to ``longest``
-        positions (prompt plus new tokens; 0: the smallest cache size). A no-op for the eager
-        and llama.cpp backends."""
+        positions (prompt plus new tokens; 0: the smallest cache size); for a drafter that
+        reads the target's features (or ``layers`` with a bare K), the steps that return them.
+        A no-op for the eager and llama.cpp backends."""
         warm = getattr(self.target, "warmup", None)
         if not callable(warm):
             return
@@ -162,7 +164,9 @@ class LLM:
         fits = [c for c in caps if c >= longest]
         caps = [c for c in caps if not fits or c <= fits[0]] if longest else None
         k = speculation.draft_length.draft_max if isinstance(speculation, Speculation) else (speculation or 0)
-        warm(k, capacities=caps)
+        if isinstance(speculation, Speculation):  # EAGLE/Medusa: the steps that return features
+            layers = getattr(speculation.drafter, "feature_layers", None) or ()
+        warm(k, capacities=caps, layers=layers)
 
     def make_speculation(
         self,

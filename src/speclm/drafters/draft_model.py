@@ -95,33 +95,47 @@ def draft_chains(
     """:func:`draft_chain` for B rows at once, one model call per depth for all of them.
 
     ``logits`` [B, V] predict each row's first draft token; row b drafts at most ``limits[b]``
-    tokens, chosen with its own context (params, generator) as a row drafted alone would. Then
+    tokens, chosen with its own context (params, generator) as a row drafted alone would: one
+    argmax over the batch for the greedy rows, a draw from q = warp(logits) with the row's own
+    generator for each sampled row (a generator draws for one row). Then
     ``step(fed [B, 1], active)`` feeds each row's newest token and returns the next logits
     [B, V]; rows that stopped (their limit, or ``p_min``) are ``active[b] = False`` and feed a
-    pad whose result nobody reads.
+    token whose result nobody reads. No host sync per depth unless ``p_min > 0`` (one then).
     """
     num_rows = len(ctxs)
-    tokens: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]  # row -> [1] each
+    sampled = [b for b, ctx in enumerate(ctxs) if not ctx.params.greedy]
+    chosen: list[torch.Tensor] = []  # per depth: [B]
     q_rows: list[list[torch.Tensor]] = [[] for _ in range(num_rows)]  # row -> [1, V] each
+    lengths = [0] * num_rows  # tokens drafted per row
     active = [limit > 0 for limit in limits]
     for depth in range(max(limits, default=0)):
-        for b, ctx in enumerate(ctxs):
+        tokens = logits.argmax(-1)  # [B]: the greedy rows' picks
+        confidence = torch.softmax(logits.float(), -1).amax(-1) if p_min > 0 else None  # [B]
+        for b in sampled:
+            if active[b]:
+                q = warp_probs(logits[b : b + 1], ctxs[b].params)  # [1, V], the target's warp
+                tokens[b] = sample_token(q, ctxs[b].generator)[0]
+                q_rows[b].append(q)
+                if confidence is not None:
+                    confidence[b] = q.amax()
+        stopped = (confidence < p_min).tolist() if confidence is not None else [False] * num_rows
+        for b in range(num_rows):
             if not active[b]:
                 continue
-            chosen = choose_draft_token(logits[b : b + 1], ctx, p_min)
-            if chosen is None:
+            if stopped[b]:  # too unsure: this token is not drafted
                 active[b] = False
+                if q_rows[b]:  # a sampled row: its q goes with the token
+                    q_rows[b].pop()
                 continue
-            tokens[b].append(chosen[0])
-            if chosen[1] is not None:
-                q_rows[b].append(chosen[1])
+            lengths[b] += 1
             active[b] = depth + 1 < limits[b]
+        chosen.append(tokens)
         if not any(active):
             break
-        pad = logits.new_zeros(1, dtype=torch.long)
-        fed = torch.stack([tokens[b][-1] if active[b] else pad for b in range(num_rows)])  # [B, 1]
-        logits = step(fed, active)
-    return [chain_draft(t, q, logits.device) for t, q in zip(tokens, q_rows)]
+        logits = step(tokens.view(num_rows, 1), active)
+    drafted = torch.stack(chosen, 1) if chosen else logits.new_zeros(num_rows, 0, dtype=torch.long)  # [B, D]
+    return [Draft(drafted[b, :n], torch.cat(q_rows[b]) if q_rows[b] else None) if n else Draft.empty(logits.device)
+            for b, n in enumerate(lengths)]
 
 
 def chain_draft(tokens: list[torch.Tensor], q_rows: list[torch.Tensor], device: torch.device) -> Draft:

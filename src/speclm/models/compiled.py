@@ -14,8 +14,9 @@
   rows write into the slots after the real ones, which are masked and later overwritten. The
   cache length comes in buckets too (static_cache.capacity_buckets); each pair (tokens,
   capacity) is one compiled graph, which ``warmup`` compiles up front;
-* longer forwards (prompt prefill) and ``return_hidden`` (EAGLE/Medusa features) run the same
-  model eagerly on the same cache: correct, just not compiled;
+* a step can also return the hidden states of a few layers (EAGLE/Medusa features): one more
+  graph per layer set, the same forward; longer forwards (prompt prefill) and all the hidden
+  states at once run the same model eagerly on the same cache: correct, just not compiled;
 * bfloat16 where the hardware has it (:func:`fast_dtype`), optional weight-only int8/int4
   (models/quantize.py); the logits handed to the verifier are always float32;
 * on CUDA the steps are compiled with ``mode="reduce-overhead"`` (CUDA graphs; written for, not
@@ -88,11 +89,15 @@ class _Step:
         cache_kw = cache_kwarg(model)
 
         def step(cache: StaticKVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 mask: torch.Tensor) -> torch.Tensor:
+                 mask: torch.Tensor, layers: tuple[int, ...] = ()):
             out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                        use_cache=True, **{cache_kw: cache})
+                        use_cache=True, output_hidden_states=list(layers) if layers else False,
+                        **{cache_kw: cache})
             logits = out.logits  # [B, T, V]
-            return logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (or 64)
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (or 64)
+            if not layers:
+                return logits
+            return logits, tuple(out.hidden_states[i] for i in layers)  # [B, T, H] each
 
         self.eager = step
         # freezing folds the weights into the graph as constants, which lets inductor prepack
@@ -102,6 +107,7 @@ class _Step:
         options = {"freezing": True} if freeze and backend == "inductor" and mode is None else None
         self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend, options=options)
         self.seen: set[tuple] = set()  # (tokens, capacity) or (rows, tokens, capacity) compiled so far
+        self.seen_hidden: set[tuple] = set()  # (key, layers): graphs that also return hidden states
         self.skip_guards = True
         self.warming = False
 
@@ -110,24 +116,28 @@ class _Step:
         """Raise dynamo's recompile limits to hold ``graphs`` graphs of one function."""
         _raise_dynamo_limits(graphs)
 
-    def __call__(self, key: tuple, *args) -> torch.Tensor:
-        """Run the graph for ``key`` (compiling it on first use) on ``args``."""
-        if key in self.seen:
+    def __call__(self, key: tuple, *args, layers: tuple[int, ...] = ()):
+        """Run the graph for ``key`` (compiling it on first use) on ``args``: the logits, or with
+        ``layers`` (sorted indices into the hidden states, 0 = embeddings) the logits and those
+        layers' hidden states, for a drafter that reads the target's features."""
+        seen, entry = (self.seen_hidden, (key, layers)) if layers else (self.seen, key)
+        if entry in seen:
             # this shape is compiled: check only the guards that tell the compiled graphs apart
             # (dynamo's full guard set costs ~1 ms per call on a 30-layer model)
             try:
                 with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.skip_guards):
-                    return self.compiled(*args)
+                    return self.compiled(*args, layers)
             except RuntimeError as exc:  # a guard beyond the shape failed (global state, another
                 if "skip_guard_eval_unsafe" not in str(exc):  # instance's graphs): check them all
                     raise
-                return self.compiled(*args)
-        if self.seen and not self.warming:
+                return self.compiled(*args, layers)
+        if (self.seen or self.seen_hidden) and not self.warming:
             rows = f"{key[0]} rows x " if len(key) == 3 else ""
-            print(f"speclm: compiling a step for {rows}{key[-2]} tokens over {key[-1]} cache slots "
-                  "(one time)...", file=sys.stderr)
-        out = self.compiled(*args)
-        self.seen.add(key)
+            hidden = f" with the hidden states of layers {list(layers)}" if layers else ""
+            print(f"speclm: compiling a step for {rows}{key[-2]} tokens over {key[-1]} cache slots"
+                  f"{hidden} (one time)...", file=sys.stderr)
+        out = self.compiled(*args, layers)
+        seen.add(entry)
         return out
 
 
@@ -171,7 +181,7 @@ class CompiledCausalLM:
             raise SpeclmError(f"token buckets must be positive, got {tuple(buckets)}")
         self.capacities = tuple(capacities) if capacities else capacity_buckets(
             self.max_context, self.buckets[-1], min(512, self.max_context + self.buckets[-1]))
-        _raise_dynamo_limits(len(self.buckets) * len(self.capacities) * 2)
+        _raise_dynamo_limits(len(self.buckets) * len(self.capacities) * 4)  # with and without features
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self._cache = StaticKVCache(self.num_layers, self.kv_heads, self.head_dim, self.capacities,
@@ -244,8 +254,9 @@ class CompiledCausalLM:
             if not 0 <= root_slot <= start_pos:
                 raise ValueError(f"{num_new} tokens cannot be the last rows of a tree of {tree.num_nodes} nodes")
         padded = self.bucket(num_new)
-        if return_hidden or padded is None:
+        if return_hidden is True or padded is None:  # every layer, or a long forward: eager
             return self._eager(token_ids, start_pos, num_logits, return_hidden, tree, root_slot)
+        layers = tuple(sorted({i % (self.num_layers + 1) for i in return_hidden})) if return_hidden else ()
         self._cache.reserve(start_pos + padded)
         ids = torch.zeros(padded, dtype=torch.long)
         ids[:num_new] = token_ids.to("cpu", torch.long)
@@ -253,12 +264,15 @@ class CompiledCausalLM:
         mask = self._mask(start_pos, num_new, padded, tree, root_slot)
         self._cache.start.fill_(start_pos)
         args = (self._cache, ids.to(self.device).view(1, padded), positions.to(self.device).view(1, padded), mask)
-        logits = self._step((padded, self._cache.capacity), *args)[0]  # [padded, V]
+        out = self._step((padded, self._cache.capacity), *args, layers=layers)
+        logits, states = out if layers else (out, ())
         self._cache.length += num_new
-        logits = logits[num_new - num_logits : num_new]
-        if self.device.type == "cuda":
-            logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
-        return ForwardOutput(logits=logits)
+        logits = logits[0, num_new - num_logits : num_new]  # [num_logits, V]
+        hidden = spread_hidden(layers, [h[0, :num_new] for h in states], self.num_layers) if layers else None
+        if self.device.type == "cuda":  # a CUDA graph's outputs are overwritten by its next replay
+            logits = logits.clone()
+            hidden = hidden and tuple(None if h is None else h.clone() for h in hidden)
+        return ForwardOutput(logits=logits, hidden_states=hidden)
 
     # -- helpers --------------------------------------------------------------------------
     def _mask(self, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
@@ -293,14 +307,18 @@ class CompiledCausalLM:
                 hidden = tuple(None if h is None else h[0] for h in out.hidden_states)
         return ForwardOutput(logits=torch.cat(logits), hidden_states=hidden if return_hidden else None)
 
-    def warmup(self, max_draft: int | None = None, capacities: Sequence[int] | None = None) -> float:
+    def warmup(self, max_draft: int | None = None, capacities: Sequence[int] | None = None,
+               layers: Sequence[int] = ()) -> float:
         """Compile the step for every token bucket up to ``max_draft + 1`` tokens (all buckets by
         default) over the given cache capacities (the smallest by default), so that compiling
-        does not land in a request's time. Returns the seconds spent."""
+        does not land in a request's time; with ``layers`` (a drafter's ``feature_layers``), the
+        steps that also return those hidden states. Returns the seconds spent."""
         top = self.bucket(max_draft + 1) if max_draft is not None else None
         todo = [b for b in self.buckets if top is None or b <= top]
         caps = list(capacities or self.capacities[:1])
-        if all((b, c) in self._step.seen for b in todo for c in caps):
+        sel = tuple(sorted({i % (self.num_layers + 1) for i in layers}))
+        if all((((b, c), sel) in self._step.seen_hidden) if sel else ((b, c) in self._step.seen)
+               for b in todo for c in caps):
             return 0.0
         estimate = (3 + self.num_layers) * len(todo) * len(caps)  # ~30 s a graph for 30 layers, 2 cores
         print(f"speclm: compiling the decode and verify steps (one time, ~{estimate} s; "
@@ -312,11 +330,22 @@ class CompiledCausalLM:
                 for b in todo:
                     self.reset()
                     self._cache.reserve(cap)
-                    self.forward(torch.zeros(b, dtype=torch.long), 0, num_logits=1)
+                    self.forward(torch.zeros(b, dtype=torch.long), 0, num_logits=1, return_hidden=list(sel))
         finally:
             self._step.warming = False
             self.reset()
         return time.perf_counter() - t0
+
+
+def spread_hidden(layers: Sequence[int], states: Sequence[torch.Tensor],
+                  num_layers: int) -> tuple[torch.Tensor | None, ...]:
+    """The hidden-states tuple of a forward that computed only ``layers`` (``states`` in that
+    order): one entry per layer (embeddings first), None where not selected, as transformers
+    returns a selection, so callers index it by layer whichever path ran."""
+    hidden: list[torch.Tensor | None] = [None] * (num_layers + 1)
+    for i, h in zip(layers, states):
+        hidden[i] = h
+    return tuple(hidden)
 
 
 def make_compiled(

@@ -14,9 +14,10 @@ mask hides them until they are overwritten. Each row attends under its own 4D ma
 its token tree: speclm.tree), built by the same functions as the single-row path's, so a row
 computes what it computes alone (up to the kernels' reduction order for B > 1).
 
-Forwards the graphs do not cover (prefill chunks, which ask for no logits: their shapes vary
-too much to compile; more tokens than the largest bucket; hidden states for EAGLE/Medusa features)
-run the same model eagerly on the same cache.
+A step that also hands a drafter the hidden states of a few layers (EAGLE/Medusa features) is one
+more graph per layer set. Forwards the graphs do not cover (prefill chunks, which ask for no
+logits: their shapes vary too much to compile; more tokens than the largest bucket; every layer's
+hidden states) run the same model eagerly on the same cache.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from ..errors import SpeclmError
 from ..tree import TreeMeta
+from .compiled import spread_hidden
 from .hf_kwargs import cache_kwarg
 from .rows import RowsOutput, TargetView, _select_layers, describe_target
 from .static_cache import StaticRowsCache, static_allowed, static_positions
@@ -61,7 +63,8 @@ class CompiledRows:
                                      target.dtype, target.device, num_slots)
         self._step = target._step
         self._zero, self._neg = target._zero, target._neg
-        self._step.allow_graphs(len(target.buckets) * len(target.capacities) * (len(self.row_buckets) + 2))
+        # logits-only graphs, and as many again returning a drafter's feature layers
+        self._step.allow_graphs(2 * len(target.buckets) * len(target.capacities) * (len(self.row_buckets) + 2))
 
     def length(self, slot: int) -> int:
         return self.cache.lengths[slot]
@@ -78,10 +81,11 @@ class CompiledRows:
             raise SpeclmError(f"a row would exceed the model's context of {self.max_context} positions")
         padded_rows = next((b for b in self.row_buckets if b >= num_rows), None)
         padded = self.target.bucket(width)
-        if not logits or return_hidden or rows.start != 0 or padded is None or padded_rows is None:
+        if not logits or return_hidden is True or rows.start != 0 or padded is None or padded_rows is None:
             out = self._eager(rows, token_ids, num_fed, starts, trees, return_hidden, logits)
         else:
-            out = RowsOutput(self._compiled(rows, token_ids, num_fed, starts, trees, padded_rows, padded))
+            layers = tuple(_select_layers(return_hidden, self.target.num_layers)) if return_hidden else ()
+            out = self._compiled(rows, token_ids, num_fed, starts, trees, padded_rows, padded, layers)
         for slot, n in zip(rows, num_fed):
             self.cache.lengths[slot] += n  # written; keep() says what stays
         return out
@@ -113,15 +117,20 @@ class CompiledRows:
         mask = torch.where(allowed.to(self.device), self._zero, self._neg).unsqueeze(1)
         return ids.to(self.device), positions.to(self.device), mask
 
-    def _compiled(self, rows, token_ids, num_fed, starts, trees, padded_rows: int, padded: int) -> torch.Tensor:
+    def _compiled(self, rows, token_ids, num_fed, starts, trees, padded_rows: int, padded: int,
+                  layers: tuple[int, ...]) -> RowsOutput:
         self.cache.reserve(max(max(starts) + padded, padded))
         ids, positions, mask = self._inputs(token_ids, num_fed, starts, trees, padded_rows, padded, 0)
         key = (padded_rows, padded, self.cache.capacity)
-        logits = self._step(key, self.cache, ids, positions, mask)  # [padded_rows, padded, V]
-        logits = logits[: len(rows), : token_ids.shape[1]]
-        if self.device.type == "cuda":
-            logits = logits.clone()  # a CUDA graph's output is overwritten by its next replay
-        return logits
+        out = self._step(key, self.cache, ids, positions, mask, layers=layers)
+        logits, states = out if layers else (out, ())  # [padded_rows, padded, V]; [.., H] each
+        num_rows, width = token_ids.shape
+        logits = logits[:num_rows, :width]
+        hidden = spread_hidden(layers, [h[:num_rows, :width] for h in states], self.target.num_layers) if layers else None
+        if self.device.type == "cuda":  # a CUDA graph's outputs are overwritten by its next replay
+            logits = logits.clone()
+            hidden = hidden and tuple(None if h is None else h.clone() for h in hidden)
+        return RowsOutput(logits, hidden)
 
     def _eager(self, rows, token_ids, num_fed, starts, trees, return_hidden, want_logits) -> RowsOutput:
         """The same model uncompiled, on the same cache: prefill chunks, hidden states."""
@@ -168,15 +177,19 @@ class CompiledRows:
     def handle(self, slot: int) -> TargetView:
         return TargetView(self.target)
 
-    def warmup(self, max_draft: int | None = None, capacities: Sequence[int] | None = None) -> float:
+    def warmup(self, max_draft: int | None = None, capacities: Sequence[int] | None = None,
+               layers: Sequence[int] = ()) -> float:
         """Compile the batched steps for every rows bucket and every token bucket up to
-        ``max_draft + 1`` tokens, over the given cache capacities (the smallest by default).
-        Returns the seconds spent."""
+        ``max_draft + 1`` tokens, over the given cache capacities (the smallest by default);
+        with ``layers`` (the drafters' ``feature_layers``), the steps that also return those
+        hidden states. Returns the seconds spent."""
         top = self.target.bucket(max_draft + 1) if max_draft is not None else None
         tokens = [b for b in self.target.buckets if top is None or b <= top]
         caps = list(capacities or self.cache.capacities[:1])
+        sel = tuple(_select_layers(list(layers), self.target.num_layers))
         todo = [(r, t, c) for c in caps for r in self.row_buckets for t in tokens]
-        todo = [key for key in todo if key not in self._step.seen]
+        todo = [key for key in todo
+                if ((key, sel) not in self._step.seen_hidden if sel else key not in self._step.seen)]
         if not todo:
             return 0.0
         print(f"speclm: compiling the batched decode and verify steps (one time, {len(todo)} graphs: "
@@ -188,7 +201,7 @@ class CompiledRows:
             for r, t, c in todo:
                 self.cache.reset()
                 self.cache.reserve(c)
-                self.forward(range(r), torch.zeros(r, t, dtype=torch.long), [t] * r)
+                self.forward(range(r), torch.zeros(r, t, dtype=torch.long), [t] * r, return_hidden=list(sel))
         finally:
             self._step.warming = False
             self.cache.reset()

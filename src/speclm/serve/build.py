@@ -115,12 +115,15 @@ def build_app(opts: ServeOptions):
     factory = draft_length = None
     if rows_drafters is not None:
         factory, draft_length = rows_drafters.factory, rows_drafters.draft_length
-        factory(rows.handle(0))  # build one now: errors and one-time searches before serving
+        first = factory(rows.handle(0))  # build one now: errors and one-time searches before serving
+        layers = getattr(first, "feature_layers", None) or ()  # EAGLE/Medusa read the target's features
+    else:
+        layers = ()
     warm_rows = getattr(rows, "warmup", None)  # the compiled path's batched steps
     if callable(warm_rows):
-        warm_rows(draft_length.draft_max if draft_length is not None else 0)
+        warm_rows(draft_length.draft_max if draft_length is not None else 0, layers=layers)
     elif draft_length is not None:
-        llm.warmup(draft_length.draft_max)
+        llm.warmup(draft_length.draft_max, layers=layers)
     # the adaptive draft cap starts from the target's measured verify cost (cached per model)
     prior = llm.cost_model(1 + draft_length.draft_max) if draft_length is not None and draft_length.adaptive else None
     engine = Engine(rows, drafter_factory=factory, draft_length=draft_length, cost_prior=prior,
