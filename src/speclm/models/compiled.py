@@ -226,7 +226,8 @@ class CompiledCausalLM:
     @property
     def compiled_capacities(self) -> tuple[int, ...]:
         """The cache sizes some step is compiled for so far (a draft warms the same ones)."""
-        return tuple(sorted({key[-1] for key in self._step.seen}))
+        seen = list(self._step.seen) + [key for key, _ in self._step.seen_hidden]
+        return tuple(sorted({key[-1] for key in seen}))
 
     def bucket(self, num_tokens: int) -> int | None:
         """The padded token count a forward of ``num_tokens`` runs at (None: eager)."""
