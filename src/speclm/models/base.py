@@ -7,8 +7,8 @@ rolls the cache back after a rejection; it never touches backend internals. A ll
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -62,3 +62,14 @@ class CausalLM(Protocol):
 
     def fork(self) -> CausalLM:
         """A second handle on the same weights with its own empty cache (self-drafting)."""
+
+
+def spread_hidden(layers: Sequence[int], states: Sequence[torch.Tensor],
+                  num_layers: int) -> tuple[torch.Tensor | None, ...]:
+    """The hidden-states tuple of a forward that computed only ``layers`` (``states`` in that
+    order): one entry per layer (embeddings first), None where not selected, as transformers
+    returns a selection, so callers index it by layer whichever path ran."""
+    hidden: list[torch.Tensor | None] = [None] * (num_layers + 1)
+    for i, h in zip(layers, states):
+        hidden[i] = h
+    return tuple(hidden)

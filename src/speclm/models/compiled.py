@@ -44,7 +44,7 @@ import torch
 from ..errors import SpeclmError
 from ..tree import TreeMeta
 from .attention import MASKED_4D
-from .base import ForwardOutput
+from .base import ForwardOutput, spread_hidden
 from .dtypes import cast_keeping_rotary
 from .hf_kwargs import cache_kwarg
 from .kv_cache import check_forward
@@ -336,17 +336,6 @@ class CompiledCausalLM:
             self._step.warming = False
             self.reset()
         return time.perf_counter() - t0
-
-
-def spread_hidden(layers: Sequence[int], states: Sequence[torch.Tensor],
-                  num_layers: int) -> tuple[torch.Tensor | None, ...]:
-    """The hidden-states tuple of a forward that computed only ``layers`` (``states`` in that
-    order): one entry per layer (embeddings first), None where not selected, as transformers
-    returns a selection, so callers index it by layer whichever path ran."""
-    hidden: list[torch.Tensor | None] = [None] * (num_layers + 1)
-    for i, h in zip(layers, states):
-        hidden[i] = h
-    return tuple(hidden)
 
 
 def make_compiled(

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import SpeclmError
 from ..tree import TreeMeta
-from .compiled import spread_hidden
+from .base import spread_hidden
 from .hf_kwargs import cache_kwarg
 from .rows import RowsOutput, TargetView, _select_layers, describe_target
 from .static_cache import StaticRowsCache, static_allowed, static_positions
