@@ -82,19 +82,19 @@ def test_cache_is_keyed_by_model_file_and_version(tmp_path, monkeypatch):
     weights = tmp_path / "model.gguf"
     weights.write_bytes(b"GGUF" + bytes(16))
     target = FakeBackend(FLAT)
-    first = cm.cost_model(target, weights, max_width=9)
+    first = cm.cost_model(target, weights, max_width=9, clock=target.clock)
     assert first.origin == "measured" and target.forwards > 0
     files = list((tmp_path / "cache" / "cost").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["key"]["backend"] == "fake"
     target.forwards = 0
-    again = cm.cost_model(target, weights, max_width=9)
+    again = cm.cost_model(target, weights, max_width=9, clock=target.clock)
     assert again.origin == "cached" and target.forwards == 0 and again.seconds == first.seconds
-    assert cm.cost_model(target, weights, max_width=17).origin == "measured"  # wider than cached
+    assert cm.cost_model(target, weights, max_width=17, clock=target.clock).origin == "measured"  # wider than cached
     os.utime(weights, ns=(1, 1))  # the model file changed: stale
-    assert cm.cost_model(target, weights, max_width=9).origin == "measured"
+    assert cm.cost_model(target, weights, max_width=9, clock=target.clock).origin == "measured"
     monkeypatch.setattr(cm, "VERSION", cm.VERSION + 1)  # another measurement version: stale
-    assert cm.cost_model(target, weights, max_width=9).origin == "measured"
-    assert cm.cost_model(target, None).origin == "measured"  # no file (random weights): never cached
+    assert cm.cost_model(target, weights, max_width=9, clock=target.clock).origin == "measured"
+    assert cm.cost_model(target, None, clock=target.clock).origin == "measured"  # no file (random weights): never cached
     calls = []
 
     def busy(t):  # another process took the CPU for a while: one plain step ten times slower
@@ -105,7 +105,7 @@ def test_cache_is_keyed_by_model_file_and_version(tmp_path, monkeypatch):
     slowed = FakeBackend(busy)
     noisy = cm.cost_model(slowed, weights, max_width=9, clock=slowed.clock)
     assert noisy.noisy and "noisy" in noisy.summary()
-    assert cm.cost_model(target, weights, max_width=9).origin == "measured"  # it was not cached
+    assert cm.cost_model(target, weights, max_width=9, clock=target.clock).origin == "measured"  # not cached
 
 
 def _chosen(curve, alpha: float, rounds: int = 300) -> list[int]:
