@@ -227,6 +227,46 @@ def test_training_lowers_loss_and_checkpoints_roundtrip(target, tmp_path, kind):
     assert spec == plain and stats.tau > 1.2  # it learnt these very answers
 
 
+@pytest.mark.parametrize("stop", [5, 6])  # mid-epoch, and after an epoch's last batch
+def test_batches_group_lengths_and_an_interrupted_run_resumes_exactly(target, stop):
+    import copy
+    import random
+
+    from speclm.learned.train import _batches
+
+    data = _sequences(target, layers=LAYERS)
+    batches = _batches(data, 2, random.Random("0:0"), group=len(data))
+    assert sorted(id(s) for b in batches for s in b) == sorted(id(s) for s in data)  # each once
+    widths = sorted(s.ids.shape[0] for s in data)
+    pads = sum(max(s.ids.shape[0] for s in b) * len(b) for b in batches)
+    assert pads == sum(max(widths[j : j + 2]) * len(widths[j : j + 2]) for j in range(0, len(widths), 2))
+
+    def trainer():
+        torch.manual_seed(0)
+        module = EagleHead.create(target, LAYERS, torch.arange(V)).double()
+        return EagleTrainer(module, target.get_input_embeddings(), data, data[:2], vocab_size=V, epochs=3,
+                            batch_size=2, lr=3e-3, device="cpu", max_seconds=None, progress=False)
+
+    whole = trainer()
+    whole.run()
+    saved = []
+
+    def checkpoint():
+        saved.append(copy.deepcopy(cut.state_dict()))
+        if cut.state.step == stop:  # the process dies here
+            raise KeyboardInterrupt
+
+    cut = trainer()
+    with pytest.raises(KeyboardInterrupt):
+        cut.run(on_checkpoint=checkpoint, checkpoint_s=0.0)
+    resumed = trainer()
+    resumed.load_state_dict(saved[-1])
+    resumed.run()
+    assert resumed.state.step == whole.state.step
+    for a, b in zip(whole.module.state_dict().values(), resumed.module.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
 def test_loading_for_another_target_is_a_clear_error(target, tmp_path):
     other = tiny_model(V + 8, seed=1)
     DrafterConfig("eagle", TargetIdentity.of(other, "other"), V, LAYERS).save(tmp_path)
@@ -239,6 +279,33 @@ def test_loading_for_another_target_is_a_clear_error(target, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SpeclmError, match="not a speclm drafter folder"):
         load_learned_drafter(tmp_path / "empty", backend(target), "eagle")
+
+
+def test_an_exported_drafter_ships_for_its_own_target_only(target, tmp_path):
+    from safetensors.torch import load_file
+
+    from speclm.learned.checkpoint import export_drafter
+    from speclm.learned.shipped import shipped_folder
+
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    module = EagleHead.create(target, LAYERS, torch.arange(V))
+    DrafterConfig("eagle", TargetIdentity.of(target, "tiny"), V, LAYERS).save(trained)
+    save_weights(module, trained)
+    root = tmp_path / "shipped"
+    size = export_drafter(trained, root / "tiny-eagle")
+    weights = load_file(str(root / "tiny-eagle" / "drafter.safetensors"))
+    assert size < (trained / "drafter.safetensors").stat().st_size * 0.6
+    assert {v.dtype for v in weights.values() if v.is_floating_point()} == {torch.bfloat16}
+    assert shipped_folder(target, "eagle", root) == root / "tiny-eagle"
+    drafter = load_learned_drafter(root / "tiny-eagle", backend(target), "eagle")  # float32 again
+    assert next(drafter.head.parameters()).dtype == torch.float64
+    for other in (tiny_model(V + 8, seed=1), tiny_model(V, seed=2)):  # other shapes; other weights
+        with pytest.raises(SpeclmError, match="ships no eagle drafter for this target .it ships one for tiny") as err:
+            shipped_folder(other, "eagle", root)
+        assert "\n" not in str(err.value)
+    with pytest.raises(SpeclmError, match="ships no medusa drafter for this target .it ships none"):
+        shipped_folder(target, "medusa", root)
 
 
 def test_best_static_tree_is_a_tree_in_order_of_estimated_acceptance():

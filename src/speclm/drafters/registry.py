@@ -17,8 +17,9 @@ drafter is one entry here and no name is tested for anywhere else.
                                      at fewer bits (torch: int8/int4 copy; llama.cpp: a
                                      requantized copy of its GGUF, bits=2/3/4/8)
     medusa:path=DIR                  Medusa heads from `speclm train-drafter` (static tree)
-    eagle:path=DIR[,tree=4,budget=16]  an EAGLE head from `speclm train-drafter`; dynamic tree
-                                     (tree=0: a chain)
+    eagle[:path=DIR,tree=4,budget=16]  an EAGLE head: from `speclm train-drafter` (path=DIR), or
+                                     without a path the one shipped for the target (the default
+                                     model has one); dynamic tree (tree=0: a chain)
     A tree's budget is its most nodes: with the adaptive draft length (the default) each round
     keeps the nodes that pay for the target's measured verify cost (drafters/tree_search.py);
     fit=0 keeps the whole budget every round.
@@ -176,7 +177,7 @@ def _quant(ctx: BuildContext, o: dict) -> Drafter:
 
 
 def _check_learned(o: dict) -> None:
-    if not Path(o["path"]).expanduser().is_dir():
+    if o["path"] is not None and not Path(o["path"]).expanduser().is_dir():
         raise SpeclmError(f"drafter folder {o['path']!r} does not exist (make one with speclm train-drafter)")
     _check_tree(o)
 
@@ -190,7 +191,12 @@ def _medusa(ctx: BuildContext, o: dict) -> Drafter:
 def _eagle(ctx: BuildContext, o: dict) -> Drafter:
     from ..learned.loader import load_learned_drafter
 
-    return load_learned_drafter(o["path"], ctx.target, "eagle", top_k=max(1, o["tree"]),
+    path = o["path"]
+    if path is None:  # the drafter shipped for this target, or a one-line refusal
+        from ..learned.shipped import shipped_folder
+
+        path = shipped_folder(ctx.target.model, "eagle")
+    return load_learned_drafter(path, ctx.target, "eagle", top_k=max(1, o["tree"]),
                                 budget=o["budget"], tree=o["tree"] > 0, fit=bool(o["fit"]))
 
 
@@ -272,8 +278,9 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
                 label=lambda o: f"quant[{o['bits']}-bit]"),
     DrafterKind("medusa", "Medusa heads made by `speclm train-drafter` (a static token tree)",
                 {"path": (str, REQUIRED)}, 4, _medusa, _check_learned, needs="hidden"),
-    DrafterKind("eagle", "an EAGLE head made by `speclm train-drafter` (a dynamic token tree)",
-                {"path": (str, REQUIRED), "tree": (int, 4), "budget": (int, 16), "fit": (int, 1)}, 5, _eagle, _check_learned,
+    DrafterKind("eagle", "an EAGLE head: shipped for the default model, or made by `speclm train-drafter` "
+                "(a dynamic token tree)",
+                {"path": (str, None), "tree": (int, 4), "budget": (int, 16), "fit": (int, 1)}, 5, _eagle, _check_learned,
                 needs="hidden"),
     DrafterKind("auto", "measure candidates on the live requests and keep the fastest",
                 {"candidates": (NameList(), None), "probe": (int, 6), "every": (int, 256)}, 10,

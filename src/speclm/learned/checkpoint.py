@@ -37,6 +37,11 @@ class TargetIdentity:
             fingerprint=round(float(head[:64, :64].double().sum()), 4),
         )
 
+    def same_as(self, other: TargetIdentity) -> bool:
+        """The same shapes and the same weights (by fingerprint): the model it was made for."""
+        return (all(getattr(self, k) == getattr(other, k) for k in ("hidden_size", "vocab_size", "num_hidden_layers"))
+                and abs(self.fingerprint - other.fingerprint) <= 1e-2 * max(1.0, abs(self.fingerprint)))
+
     def check(self, other: TargetIdentity, where: str) -> list[str]:
         """Raise on a shape mismatch; return warnings (a different checkpoint of the same shape)."""
         for key in ("hidden_size", "vocab_size", "num_hidden_layers"):
@@ -45,7 +50,7 @@ class TargetIdentity:
                 raise SpeclmError(f"the drafter in {where} was made for {self.name} ({key} {mine}); "
                                   f"this target has {key} {theirs}: train one for it with "
                                   "speclm train-drafter")
-        if abs(self.fingerprint - other.fingerprint) > 1e-2 * max(1.0, abs(self.fingerprint)):
+        if not self.same_as(other):
             return [f"the drafter in {where} was trained for {self.name}, whose weights differ "
                     "from this target's: expect lower acceptance (output is still exact)"]
         return []
@@ -98,3 +103,23 @@ def load_weights(module: torch.nn.Module, folder: Path) -> None:
         module.load_state_dict(state)
     except (OSError, RuntimeError) as exc:
         raise SpeclmError(f"cannot load drafter weights from {path}: {str(exc).splitlines()[0]}") from None
+
+
+def export_drafter(folder: Path, dest: Path, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Copy the drafter in ``folder`` to ``dest`` with its floating-point weights in ``dtype``
+    (what ships in the package: half the bytes, and the head runs in float32 or float64 after
+    loading, so drafting stays exact); returns the weights file's size in bytes."""
+    from safetensors.torch import load_file, save_file
+
+    config = DrafterConfig.load(folder)
+    state = load_file(str(Path(folder) / WEIGHTS_FILE))
+    state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    dest = Path(dest)
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(dest / WEIGHTS_FILE))
+    except OSError as exc:
+        raise SpeclmError(f"cannot write the drafter to {str(dest)!r}: {exc.strerror or exc}") from None
+    config.training = {**config.training, "weights_dtype": str(dtype).removeprefix("torch.")}
+    config.save(dest)
+    return (dest / WEIGHTS_FILE).stat().st_size

@@ -70,10 +70,19 @@ def _to_draft_ids(ids: torch.Tensor, draft_to_target: torch.Tensor, vocab_size: 
     return table[ids]
 
 
-def _batches(items: list, size: int, rng: random.Random) -> list[list]:
+def _batches(items: list[Sequence], size: int, rng: random.Random, group: int = 32) -> list[list[Sequence]]:
+    """Shuffled batches of ``size`` sequences of similar length: each window of ``group`` batches
+    is sorted by length before it is cut, so a batch pads little, and the batches are shuffled
+    again so lengths do not come in order."""
     order = list(range(len(items)))
     rng.shuffle(order)
-    return [[items[i] for i in order[j : j + size]] for j in range(0, len(order), size)]
+    window = size * group
+    batches = []
+    for w in range(0, len(order), window):
+        part = sorted(order[w : w + window], key=lambda i: items[i].ids.shape[0])
+        batches += [[items[i] for i in part[j : j + size]] for j in range(0, len(part), size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def _pad(sequences: list[Sequence], table: torch.Tensor, device, dtype=torch.float32) -> tuple:
@@ -110,7 +119,7 @@ class Trainer:
         self.epochs, self.batch_size, self.device = epochs, batch_size, device
         self.dtype = next(module.parameters()).dtype
         self.max_seconds, self.progress = max_seconds, progress
-        self.rng = random.Random(seed)
+        self.seed = seed
         params = [p for p in module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
         total = max(1, epochs * math.ceil(len(train) / batch_size))
@@ -136,15 +145,13 @@ class Trainer:
 
     def state_dict(self) -> dict:
         return dict(module=self.module.state_dict(), optimizer=self.optimizer.state_dict(),
-                    scheduler=self.scheduler.state_dict(), state=self.state.__dict__,
-                    rng=self.rng.getstate())
+                    scheduler=self.scheduler.state_dict(), state=self.state.__dict__)
 
     def load_state_dict(self, saved: dict) -> None:
         self.module.load_state_dict(saved["module"])
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = TrainState(**saved["state"])
-        self.rng.setstate(saved["rng"])
 
     @torch.no_grad()
     def evaluate(self, top: int = 4) -> list[list[float]]:
@@ -159,13 +166,18 @@ class Trainer:
             return []
         return (totals[:, :top] / totals[:, top:].clamp(min=1)).tolist()
 
-    def run(self, on_epoch=None) -> TrainState:
-        """Train until the epochs are done or the time bound is hit; returns the state."""
+    def run(self, on_epoch=None, on_checkpoint=None, checkpoint_s: float = 600.0) -> TrainState:
+        """Train until the epochs are done or the time bound is hit; returns the state.
+
+        ``on_checkpoint`` is called every ``checkpoint_s`` seconds of training so that a killed
+        run loses little; an epoch's batches follow from the seed and the epoch number alone, so
+        a resumed run continues exactly where the saved state stopped."""
         self.module.train()
         started = time.monotonic() - self.state.seconds
+        saved_at = self.state.seconds
         while self.state.epoch < self.epochs:
-            batches = _batches(self.train, self.batch_size, self.rng)
-            done_in_epoch = self.state.step % max(1, len(batches))
+            batches = _batches(self.train, self.batch_size, random.Random(f"{self.seed}:{self.state.epoch}"))
+            done_in_epoch = self.state.step - self.state.epoch * len(batches)  # resumed mid-epoch
             bar = tqdm(batches[done_in_epoch:], desc=f"epoch {self.state.epoch + 1}/{self.epochs}",
                        unit="batch", disable=not self.progress, file=sys.stderr)
             losses = []
@@ -181,6 +193,9 @@ class Trainer:
                 losses.append(float(loss.detach()))
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", **figures)
                 self.state.seconds = time.monotonic() - started
+                if on_checkpoint is not None and self.state.seconds - saved_at >= checkpoint_s:
+                    on_checkpoint()
+                    saved_at = self.state.seconds
                 if self.max_seconds is not None and self.state.seconds >= self.max_seconds:
                     out_of_time = True
                     break
