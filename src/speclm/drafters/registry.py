@@ -18,8 +18,8 @@ drafter is one entry here and no name is tested for anywhere else.
                                      requantized copy of its GGUF, bits=2/3/4/8)
     medusa:path=DIR                  Medusa heads from `speclm train-drafter` (static tree)
     eagle[:path=DIR,tree=4,budget=16]  an EAGLE head: from `speclm train-drafter` (path=DIR), or
-                                     without a path the one shipped for the target (the default
-                                     model has one); dynamic tree (tree=0: a chain)
+                                     without a path the one speclm ships for the target (a
+                                     one-line error where none ships); dynamic tree (tree=0: a chain)
     A tree's budget is its most nodes: with the adaptive draft length (the default) each round
     keeps the nodes that pay for the target's measured verify cost (drafters/tree_search.py);
     fit=0 keeps the whole budget every round.
@@ -278,8 +278,8 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
                 label=lambda o: f"quant[{o['bits']}-bit]"),
     DrafterKind("medusa", "Medusa heads made by `speclm train-drafter` (a static token tree)",
                 {"path": (str, REQUIRED)}, 4, _medusa, _check_learned, needs="hidden"),
-    DrafterKind("eagle", "an EAGLE head: shipped for the default model, or made by `speclm train-drafter` "
-                "(a dynamic token tree)",
+    DrafterKind("eagle", "an EAGLE head made by `speclm train-drafter` (path=DIR), or the one shipped "
+                "for the target (a dynamic token tree)",
                 {"path": (str, None), "tree": (int, 4), "budget": (int, 16), "fit": (int, 1)}, 5, _eagle, _check_learned,
                 needs="hidden"),
     DrafterKind("auto", "measure candidates on the live requests and keep the fastest",

@@ -129,7 +129,9 @@ def run(args: argparse.Namespace) -> int:
     target = loaded.backend.model
     for p in target.parameters():
         p.requires_grad_(False)
-    identity = TargetIdentity.of(target, loaded.name)
+    from ..models.loading import DEFAULT_MODEL, DEFAULT_MODEL_NAME
+
+    identity = TargetIdentity.of(target, DEFAULT_MODEL_NAME if loaded.name == DEFAULT_MODEL else loaded.name)
     layers = [-1] if args.method == "medusa" else _feature_layers(args.feature_layers, target.config.num_hidden_layers)
     start = time.monotonic()
     deadline = start + 60 * args.data_minutes if args.data_minutes else None
