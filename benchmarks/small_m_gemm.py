@@ -10,7 +10,9 @@ with PyTorch's own matrix product (ATen: MKL on x86) and through ``torch.compile
 default, which calls ATen's product; and ``max_autotune`` with inductor's C++ GEMM template
 where it applies), medians of 15 after 3 warm-up runs, and prints the cost per M against M = 1.
 
-    python benchmarks/small_m_gemm.py [--modes aten,inductor,autotune] [--rows 1,2,4,8,16]
+    python benchmarks/small_m_gemm.py [--modes aten,speclm,inductor,autotune] [--rows 1,2,4,8,16]
+
+``speclm`` is speclm's own small-M kernel (models/small_m.py; beyond its 10 rows it runs ATen).
 """
 
 from __future__ import annotations
@@ -52,12 +54,21 @@ def build(model: nn.Module, mode: str):
     torch._dynamo.reset()
     if mode == "aten":
         return model
+    if mode == "speclm":  # speclm's small-M kernel (models/small_m.py), up to its MAX_ROWS rows
+        import copy
+
+        from speclm.models.small_m import use_small_m
+
+        mine = copy.deepcopy(model)
+        if not use_small_m(mine):
+            raise SystemExit("speclm's kernel is not available here (AVX2, g++ and ninja needed)")
+        return mine
     if mode == "inductor":
         return torch.compile(model, dynamic=False)
     if mode == "autotune":
         return torch.compile(model, dynamic=False, options={
             "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
-    raise SystemExit(f"unknown mode {mode!r}: aten, inductor or autotune")
+    raise SystemExit(f"unknown mode {mode!r}: aten, speclm, inductor or autotune")
 
 
 def main() -> None:

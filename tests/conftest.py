@@ -52,6 +52,22 @@ def noisy_copy(model: LlamaForCausalLM, scale: float, seed: int) -> LlamaForCaus
     return draft
 
 
+@pytest.fixture
+def cpu_kernel():
+    """speclm's small-M CPU kernel (models/small_m.py): skipped without AVX2 or a compiler, and
+    a failure (not a skip) where both exist but it does not build."""
+    import shutil
+
+    from speclm.models import small_m
+
+    if not small_m._cpu_has_avx2():
+        pytest.skip("the kernel needs a CPU with AVX2")
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no C++ compiler to build the kernel")
+    assert small_m.kernel_available(), "the CPU kernel did not build on a machine with AVX2 and a compiler"
+    return torch.ops.speclm
+
+
 def backend(model: LlamaForCausalLM) -> HFCausalLM:
     return HFCausalLM(model, frozenset({0}))
 

@@ -14,8 +14,15 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from speclm.errors import SpeclmError
-from speclm.models.gguf_int4 import SplitQ8Linear, _from_blocks, decode_q4, decode_q8, keep_gguf_int4
+from speclm.models.gguf_int4 import (
+    SplitQ8Linear,
+    _from_blocks,
+    decode_q4,
+    decode_q8,
+    keep_gguf_int4,
+)
 from speclm.models.quantize import Int4Linear
+from speclm.models.small_m import MAX_ROWS, BlockLinear
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
@@ -33,6 +40,8 @@ def _blocks(type_name: str, rows: int = 48, cols: int = 96, seed: int = 0) -> tu
 
 def _dense(layer: torch.nn.Module) -> torch.Tensor:
     """The [N, K] weight a layer computes, read through the int4 kernel in float32."""
+    if isinstance(layer, BlockLinear):  # speclm's kernel on the blocks (float32, AVX2)
+        return layer.dequantized()
     if isinstance(layer, SplitQ8Linear):
         return _dense(layer.high) + _dense(layer.low)
     eye = torch.eye(layer.in_features)
@@ -62,11 +71,35 @@ def test_layer_computes_the_files_weights_exactly(type_name):
     weight = torch.from_numpy(dequantized[order].copy())
     bias = torch.randn(48)
     layer = _from_blocks(raw, type_name, weight, bias)
-    assert isinstance(layer, SplitQ8Linear if type_name == "Q8_0" else Int4Linear)
+    assert isinstance(layer, (BlockLinear, SplitQ8Linear if type_name == "Q8_0" else Int4Linear))
     assert layer.in_features == 96 and layer.out_features == 48
     assert torch.equal(_dense(layer), weight)  # bit for bit, after the row reordering
     x = torch.randn(3, 96)
     torch.testing.assert_close(layer(x), x @ weight.T + bias, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_the_cpu_kernel_runs_the_files_blocks_exactly(cpu_kernel, type_name):
+    """float32 on an AVX2 CPU: few-row products run speclm's kernel on the file's own blocks.
+    Read back with one-hot rows its weights are gguf-py's values bit for bit; a row's output is
+    the same alone or among others; long inputs run the int4 layer."""
+    raw, dequantized = _blocks(type_name, seed=4)
+    order = np.random.default_rng(5).permutation(48)
+    weight = torch.from_numpy(dequantized[order].copy())
+    bias = torch.randn(48)
+    layer = _from_blocks(raw, type_name, weight, bias)
+    assert isinstance(layer, BlockLinear)
+    eye = torch.eye(96)
+    read = torch.cat([cpu_kernel.small_m_blocks(eye[i:i + 8], layer.codes, layer.scale, layer.minimum,
+                                                layer.bits) for i in range(0, 96, 8)])  # [K, N]
+    assert torch.equal(read.T, weight) and torch.equal(layer.dequantized(), weight)
+    x = torch.randn(MAX_ROWS, 96)
+    with torch.no_grad():
+        y = layer(x)
+        torch.testing.assert_close(y, x @ weight.T + bias, rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(layer(x[i:i + 1]), y[i:i + 1]) for i in range(MAX_ROWS))
+        long = torch.randn(2, MAX_ROWS, 96)  # beyond the kernel's rows: the BLAS
+        torch.testing.assert_close(layer(long), long @ weight.T + bias, rtol=1e-5, atol=1e-5)
 
 
 def test_foreign_weights_are_refused():
@@ -128,8 +161,8 @@ def test_quantized_self_draft_uses_the_files_blocks():
     assert key == "quant:gguf"
     draft = build()
     assert draft.model is not target.model
-    assert any(isinstance(m, Int4Linear) for m in draft.model.modules())
-    assert not any(isinstance(m, Int4Linear) for m in target.model.modules())  # target untouched
+    assert any(isinstance(m, (Int4Linear, BlockLinear)) for m in draft.model.modules())
+    assert not any(isinstance(m, (Int4Linear, BlockLinear)) for m in target.model.modules())  # untouched
     ids = torch.tensor([1, 504, 3458, 314, 260, 1345, 30, 198])
     a = draft.forward(ids, 0, num_logits=8).logits
     b = target.forward(ids, 0, num_logits=8).logits

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from .models.small_m import kernel_in_use
+
 VERSION = 1  # of the measurement: caches of another version are measured again
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # tokens per forward (1 + K)
 _PRIORITY = (1, 2, 4, 8, 16, 32, 3, 6, 12, 24)  # the same, in the order they are measured
@@ -156,8 +158,9 @@ def model_file(target, model_path: Path | None) -> Path | None:
 
 def cost_key(target, model_file: Path | None) -> dict | None:
     """What a measurement holds for: model file (path, size, modification time), backend, the
-    attention implementation, dtype, threads, device and this measurement's version; None for a
-    model without a file (random weights), which is measured afresh every time."""
+    attention implementation, dtype, threads, device, the linear layers' kernel (models/small_m.py)
+    and this measurement's version; None for a model without a file (random weights), which is
+    measured afresh every time."""
     if model_file is None or not Path(model_file).exists():
         return None
     path = Path(model_file).resolve()
@@ -171,7 +174,8 @@ def cost_key(target, model_file: Path | None) -> dict | None:
                 backend=getattr(target, "backend_name", "torch"),
                 attention=getattr(config, "_attn_implementation", None),  # a verify's cost depends on it
                 dtype=getattr(target, "numerics", None) or str(target.dtype).removeprefix("torch."),
-                threads=threads, device=str(target.device))
+                threads=threads, device=str(target.device),
+                linear="small_m" if kernel_in_use(getattr(target, "model", None)) else "torch")
 
 
 def cache_path(key: dict, kind: str = "cost") -> Path:

@@ -21,6 +21,10 @@ codes h + 8 and scale 16 d and one with codes l and scale d (:class:`SplitQ8Line
 of int8, two int4 kernels, the file's values exactly). Layers stored at other types keep their
 dequantized float weights, in the compute dtype.
 
+In float32 on an AVX2 CPU, where PyTorch's int4 kernel is slow (about 0.2 s a token for the
+default model on a Zen 3), the layers are instead :class:`~.small_m.BlockLinear`s: speclm's own
+kernel on the file's blocks as stored (models/small_m.py).
+
 On CUDA the same layers use PyTorch's CUDA int4 kernel (bfloat16 scales): written for, never
 run on a GPU.
 """
@@ -36,6 +40,7 @@ from torch import nn
 
 from ..errors import SpeclmError
 from .quant_linear import Int4Linear
+from .small_m import BlockLinear, kernel_available
 
 BLOCK = 32  # inputs per Q4_0 / Q4_1 / Q8_0 block
 FOUR_BIT = ("Q4_0", "Q4_1")  # the block types of 4-bit codes
@@ -124,8 +129,10 @@ def _name_map(reader):
 
 def _from_blocks(data: np.ndarray, type_name: str, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> nn.Module | None:
-    """The int4 layer computing a Q4_0/Q4_1/Q8_0 tensor's weights, its rows in the order of
-    ``weight`` (the weights loaded from it); None when they are not that tensor's."""
+    """The layer computing a Q4_0/Q4_1/Q8_0 tensor's weights, its rows in the order of ``weight``
+    (the weights loaded from it): a :class:`~.small_m.BlockLinear` on the file's blocks for
+    float32 on a CPU where speclm's kernel runs, else int4 layers; None when the weights are not
+    that tensor's."""
     if type_name == "Q8_0":
         q8, scale = decode_q8(data)
         grouped = q8.reshape(q8.shape[0], -1, BLOCK)
@@ -140,6 +147,15 @@ def _from_blocks(data: np.ndarray, type_name: str, weight: torch.Tensor,
     order = _row_order(weight, dequantized.reshape(weight.shape[0], -1))
     if order is None:
         return None
+    if weight.dtype == torch.float32 and weight.device.type == "cpu" and kernel_available():
+        # float32 on an AVX2 CPU: speclm's kernel runs the file's blocks as they are stored
+        as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a[order]))  # noqa: E731
+        if type_name == "Q8_0":
+            return BlockLinear(as_tensor(q8.view(np.uint8)), as_tensor(scale), None, 8, bias)
+        grouped = codes.reshape(codes.shape[0], -1, BLOCK)  # [N, K/32, 32] -> the file's nibble order
+        packed = (grouped[..., : BLOCK // 2] | grouped[..., BLOCK // 2:] << 4).reshape(codes.shape[0], -1)
+        own_minimum = as_tensor(minimum) if type_name == "Q4_1" else None  # Q4_0: d * (q - 8)
+        return BlockLinear(as_tensor(packed), as_tensor(scale), own_minimum, 4, bias)
 
     def int4(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bias) -> Int4Linear:
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a[order])).to(weight.device)  # noqa: E731

@@ -18,6 +18,7 @@ from .attention import MASKED_4D, use_gqa_sdpa
 from .base import ForwardOutput
 from .hf_kwargs import cache_kwarg
 from .kv_cache import KVCache, check_forward, supports_trees
+from .small_m import use_small_m
 
 
 class HFCausalLM:
@@ -29,6 +30,7 @@ class HFCausalLM:
 
     def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
         use_gqa_sdpa(model)  # verifies and batched steps without copying the cache per layer
+        use_small_m(model)  # float32 on an AVX2 CPU: a verify of a few tokens costs about one step
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype

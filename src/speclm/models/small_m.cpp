@@ -1,0 +1,273 @@
+// speclm: float32 products of a few activation rows with a weight matrix, for CPUs with AVX2+FMA.
+//
+// y[M, N] = x[M, K] @ w[N, K]^T, the nn.Linear layout. A decoding step multiplies every weight
+// by one row and a verify by a few; the BLAS runs 2-16 rows at 1.7-2.2x the cost of one row on
+// an AVX2 CPU, because it packs the weights for a large product. Here each weight row is read
+// once from memory for up to six activation rows (the activations stay in L1), so a verify of
+// a few tokens costs about what one token costs, and more rows cost only their arithmetic.
+//
+// Every output y[m, n] is summed in one fixed order that does not depend on M: two 8-lane
+// accumulators over K in steps of 16, added lane-wise, reduced in a fixed tree, then any tail of
+// K (K % 16) added in order. A row therefore gets bit-identical results alone or among others.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kRowsPerPass = 6;  // activation rows sharing one read of a weight row
+
+inline float reduce(__m256 a, __m256 b) {
+  __m256 s = _mm256_add_ps(a, b);
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+  return _mm_cvtss_f32(v);
+}
+
+// out[r * ldo] = dot(x[r], w) for R rows of x (row stride K) and one weight row w of length K.
+template <int R>
+inline void dot_rows(const float* x, const float* w, int64_t K, float* out, int64_t ldo) {
+  __m256 lo[R], hi[R];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) { lo[r] = _mm256_setzero_ps(); hi[r] = _mm256_setzero_ps(); }
+  const int64_t k_vec = K - K % 16;
+  for (int64_t k = 0; k < k_vec; k += 16) {
+    const __m256 w0 = _mm256_loadu_ps(w + k), w1 = _mm256_loadu_ps(w + k + 8);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {  // unrolled, so the accumulators stay in registers
+      lo[r] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * K + k), lo[r]);
+      hi[r] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * K + k + 8), hi[r]);
+    }
+  }
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r) {
+    float s = reduce(lo[r], hi[r]);
+    for (int64_t k = k_vec; k < K; ++k) s += x[r * K + k] * w[k];
+    out[r * ldo] = s;
+  }
+}
+
+at::Tensor small_m_mm(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "small_m_mm runs on the CPU");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "small_m_mm is float32");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "small_m_mm: x [M, K], w [N, K]");
+  const at::Tensor xc = x.contiguous(), wc = w.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), N = wc.size(0);
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const float* wr = wp + n * K;
+      for (int64_t m = 0; m < M; m += kRowsPerPass) {
+        const float* xr = xp + m * K;
+        float* out = yp + m * N + n;
+        switch (std::min(kRowsPerPass, M - m)) {
+          case 6: dot_rows<6>(xr, wr, K, out, N); break;
+          case 5: dot_rows<5>(xr, wr, K, out, N); break;
+          case 4: dot_rows<4>(xr, wr, K, out, N); break;
+          case 3: dot_rows<3>(xr, wr, K, out, N); break;
+          case 2: dot_rows<2>(xr, wr, K, out, N); break;
+          default: dot_rows<1>(xr, wr, K, out, N); break;
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// ---- GGUF blocks: the file's own 4-bit and 8-bit codes, 32 inputs a block -------------------
+//
+// Q4_0 / Q4_1: 16 bytes a block, byte j holding input j (low nibble) and input j + 16 (high);
+// the weight is scale * (q - 8) (Q4_0: no minimum) or scale * q + minimum (Q4_1). Q8_0: 32 signed
+// bytes a block, the weight scale * q. Each weight comes out as llama.cpp rounds it (one product,
+// then the minimum added), so reading the layer back with one-hot rows gives the file's values. So y[m, n] = sum over blocks b of scale[n, b] * (q_b . x_b) +
+// minimum[n, b] * sum(x_b): the codes are decoded to floats once per weight row and used for
+// every activation row, and the block sums of x are computed once per call.
+
+template <bool kCentered>  // Q4_0: codes - 8
+struct Q4Block {
+  static constexpr int64_t kBytes = 16;
+  static inline void decode(const uint8_t* p, __m256 q[4]) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(bytes, mask);
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+    q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+    q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+    q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    if (kCentered) {
+      const __m256 eight = _mm256_set1_ps(8.0f);
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) q[i] = _mm256_sub_ps(q[i], eight);
+    }
+  }
+};
+
+struct Q8Block {
+  static constexpr int64_t kBytes = 32;
+  static inline void decode(const uint8_t* p, __m256 q[4]) {
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+          _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * i))));
+  }
+};
+
+inline float reduce1(__m256 s) {
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+  return _mm_cvtss_f32(v);
+}
+
+// out[r * ldo] for R rows of x (row stride K) and one weight row of nb blocks; xsum [R, nb].
+template <class Block, int R>
+inline void block_rows(const float* x, const float* xsum, const uint8_t* codes, const float* scale,
+                       const float* minimum, int64_t nb, int64_t K, float* out, int64_t ldo) {
+  __m256 acc[R];
+  float msum[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); msum[r] = 0.0f; }
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 q[4];
+    Block::decode(codes + b * Block::kBytes, q);
+    const __m256 d = _mm256_set1_ps(scale[b]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float* xb = x + r * K + b * 32;
+      __m256 t = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+      t = _mm256_fmadd_ps(q[1], _mm256_loadu_ps(xb + 8), t);
+      t = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + 16), t);
+      t = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + 24), t);
+      acc[r] = _mm256_fmadd_ps(d, t, acc[r]);
+      if (minimum != nullptr) msum[r] = std::fma(minimum[b], xsum[r * nb + b], msum[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce1(acc[r]) + msum[r];
+}
+
+template <class Block>
+void blocks_mm(const float* xp, const float* xsum, const uint8_t* cp, const float* sp, const float* mp,
+               int64_t M, int64_t K, int64_t N, float* yp) {
+  const int64_t nb = K / 32, row_bytes = nb * Block::kBytes;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* c = cp + n * row_bytes;
+      const float* s = sp + n * nb;
+      const float* mn = mp == nullptr ? nullptr : mp + n * nb;
+      for (int64_t m = 0; m < M; m += 4) {
+        const float* xr = xp + m * K;
+        const float* xs = xsum + m * nb;
+        float* out = yp + m * N + n;
+        switch (std::min<int64_t>(4, M - m)) {
+          case 4: block_rows<Block, 4>(xr, xs, c, s, mn, nb, K, out, N); break;
+          case 3: block_rows<Block, 3>(xr, xs, c, s, mn, nb, K, out, N); break;
+          case 2: block_rows<Block, 2>(xr, xs, c, s, mn, nb, K, out, N); break;
+          default: block_rows<Block, 1>(xr, xs, c, s, mn, nb, K, out, N); break;
+        }
+      }
+    }
+  });
+}
+
+// The float32 weights [N, K] of a block layer, each rounded as llama.cpp and gguf-py round it
+// (scale * code, then + minimum): what a prefill of many rows multiplies with the BLAS.
+template <class Block>
+void dequantize_rows(const uint8_t* cp, const float* sp, const float* mp, int64_t N, int64_t K, float* wp) {
+  const int64_t nb = K / 32, row_bytes = nb * Block::kBytes;
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t b = 0; b < nb; ++b) {
+        __m256 q[4];
+        Block::decode(cp + n * row_bytes + b * Block::kBytes, q);
+        const __m256 d = _mm256_set1_ps(sp[n * nb + b]);
+        const __m256 mn = _mm256_set1_ps(mp == nullptr ? 0.0f : mp[n * nb + b]);
+        float* out = wp + n * K + b * 32;
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) {
+          __m256 w = _mm256_mul_ps(d, q[i]);
+          if (mp != nullptr) w = _mm256_add_ps(w, mn);  // compiled with -ffp-contract=off: no FMA
+          _mm256_storeu_ps(out + 8 * i, w);
+        }
+      }
+    }
+  });
+}
+
+void check_blocks(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
+                  int64_t bits, int64_t K) {
+  TORCH_CHECK(bits == 4 || bits == 8, "small_m_blocks: bits is 4 (Q4_0 without a minimum, Q4_1 with one) or 8 (Q8_0)");
+  TORCH_CHECK(K % 32 == 0, "small_m_blocks: K must be a multiple of 32");
+  const int64_t N = codes.size(0), nb = K / 32;
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 2 &&
+              codes.size(1) == nb * (bits == 4 ? 16 : 32),
+              "small_m_blocks: codes are uint8 [N, K/32 * bytes per block] on the CPU");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == N && scale.size(1) == nb,
+              "small_m_blocks: scale is float32 [N, K/32]");
+  TORCH_CHECK(!minimum.has_value() || (bits == 4 && minimum->scalar_type() == at::kFloat &&
+                                       minimum->sizes() == scale.sizes()),
+              "small_m_blocks: minimum is float32 [N, K/32], for 4-bit blocks only");
+}
+
+at::Tensor dequantize_blocks(const at::Tensor& codes, const at::Tensor& scale,
+                             const c10::optional<at::Tensor>& minimum, int64_t bits) {
+  const int64_t K = scale.size(1) * 32, N = codes.size(0);
+  check_blocks(codes, scale, minimum, bits, K);
+  const at::Tensor cc = codes.contiguous(), sc = scale.contiguous();
+  const at::Tensor mc = minimum.has_value() ? minimum->contiguous() : at::Tensor();
+  at::Tensor w = at::empty({N, K}, sc.options());
+  const float* mp = mc.defined() ? mc.data_ptr<float>() : nullptr;
+  if (bits == 4 && mp == nullptr)
+    dequantize_rows<Q4Block<true>>(cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, N, K, w.data_ptr<float>());
+  else if (bits == 4)
+    dequantize_rows<Q4Block<false>>(cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, N, K, w.data_ptr<float>());
+  else
+    dequantize_rows<Q8Block>(cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, N, K, w.data_ptr<float>());
+  return w;
+}
+
+at::Tensor small_m_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& minimum, int64_t bits) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "small_m_blocks: x is float32 [M, K] on the CPU");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / 32;
+  check_blocks(codes, scale, minimum, bits, K);
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous();
+  const at::Tensor mc = minimum.has_value() ? minimum->contiguous() : at::Tensor();
+  // block sums of x (for the minimums), each summed in input order
+  at::Tensor xsum = at::empty({M, nb}, xc.options());
+  const float* xp = xc.data_ptr<float>();
+  float* xs = xsum.data_ptr<float>();
+  for (int64_t i = 0; mc.defined() && i < M * nb; ++i) {
+    float s = 0.0f;
+    for (int j = 0; j < 32; ++j) s += xp[i * 32 + j];
+    xs[i] = s;
+  }
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const float* mp = mc.defined() ? mc.data_ptr<float>() : nullptr;
+  if (bits == 4 && mp == nullptr)  // Q4_0
+    blocks_mm<Q4Block<true>>(xp, xs, cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, M, K, N, y.data_ptr<float>());
+  else if (bits == 4)  // Q4_1
+    blocks_mm<Q4Block<false>>(xp, xs, cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, M, K, N, y.data_ptr<float>());
+  else
+    blocks_mm<Q8Block>(xp, xs, cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, M, K, N, y.data_ptr<float>());
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(speclm, m) {
+  m.def("small_m_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("small_m_blocks(Tensor x, Tensor codes, Tensor scale, Tensor? minimum, int bits) -> Tensor");
+  m.def("dequantize_blocks(Tensor codes, Tensor scale, Tensor? minimum, int bits) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(speclm, CPU, m) {
+  m.impl("small_m_mm", &small_m_mm);
+  m.impl("small_m_blocks", &small_m_blocks);
+  m.impl("dequantize_blocks", &dequantize_blocks);
+}

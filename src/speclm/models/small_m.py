@@ -1,0 +1,201 @@
+"""Float32 linear layers over a few rows on an AVX2 CPU: a verify that costs about one step.
+
+Speculation pays when a forward over the K + 1 tokens of a verify costs about what a one-token
+step costs. On an AVX2 CPU in float32 it does not with the BLAS: MKL runs 2-16 rows at 1.7-2.2x
+its one-row cost (docs/benchmarks.md, "Where a compiled float32 step goes on an AVX2 CPU"),
+because it packs the weights for a large product. ``small_m.cpp`` reads each weight row once
+for up to six activation rows, so a few rows cost little more than one, and the one-row product
+runs at the memory bandwidth.
+
+It also sums every output in one fixed order whatever the number of rows, so a row's linear
+layers give bit-identical results in a one-token step and inside a verify.
+
+A second entry runs a GGUF file's own Q4_0/Q4_1/Q8_0 blocks (:class:`BlockLinear`, made by
+models/gguf_int4.py for ``--quantize gguf`` in float32): each block's codes are decoded to floats
+once per weight row for every activation row. PyTorch's own int4 kernel takes about 0.2 s a token
+for the default model in float32 on an AVX2 CPU; this one runs its step in a fraction of that.
+
+:func:`use_small_m` swaps a model's ``nn.Linear`` layers for :class:`SmallMLinear` (same
+parameters, tied weights stay tied), which runs the kernel for float32 inputs of at most
+:data:`MAX_ROWS` rows on the CPU with autograd off, and ``F.linear`` otherwise (larger prefills,
+other dtypes, other devices, training). The kernel is compiled on first use with PyTorch's C++
+extension loader (g++ and ninja, about 30 s once, cached per machine); where that fails, or the
+CPU lacks AVX2/FMA, or ``SPECLM_CPU_KERNEL=0``, every layer runs ``F.linear`` as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+MAX_ROWS = 10  # above this MKL's product is as fast (benchmarks/small_m_gemm.py --modes aten,speclm)
+SOURCE = Path(__file__).with_name("small_m.cpp")
+ENV = "SPECLM_CPU_KERNEL"  # "0" turns the kernel off
+
+_lock = threading.Lock()
+_loaded: bool | None = None  # None: not tried yet
+_enabled = True
+
+
+def _cpu_has_avx2() -> bool:
+    capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
+    return capability.startswith(("AVX2", "AVX512"))
+
+
+def kernel_available() -> bool:
+    """Whether the kernel runs in this process: builds (or loads the cached build) on first call.
+
+    False, with one logged warning, where it cannot be built; never raises."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded and _enabled
+    with _lock:
+        if _loaded is None:
+            _loaded = _load()
+    return _loaded and _enabled
+
+
+def _load() -> bool:
+    if os.environ.get(ENV, "1") == "0" or not _cpu_has_avx2():
+        return False
+    if hasattr(torch.ops, "speclm") and hasattr(torch.ops.speclm, "small_m_mm"):
+        return True
+    try:
+        from torch.utils.cpp_extension import _get_build_directory as _build_directory
+        from torch.utils.cpp_extension import load
+
+        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        name = f"speclm_small_m_{digest}"
+        if not any(Path(_build_directory(name, False)).glob("*.so")):
+            print("speclm: building the CPU kernel for float32 verifies (once, about 30 s) ...",
+                  file=sys.stderr, flush=True)
+        load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
+             extra_ldflags=["-fopenmp"],
+             is_python_module=False, verbose=False)
+        _register_fake()
+        return True
+    except Exception as exc:  # noqa: BLE001  (no compiler, no ninja, a read-only cache: run as before)
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        log.warning("speclm: the float32 CPU kernel is unavailable (%s); using torch's own "
+                    "matrix products", first)
+        return False
+
+
+def _register_fake() -> None:
+    """The op's output shape, so that torch.compile traces through it (an extern kernel call)."""
+    def fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], w.shape[0])
+
+    def fake_blocks(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                    minimum: torch.Tensor | None, bits: int) -> torch.Tensor:
+        return x.new_empty(x.shape[0], scale.shape[0])
+
+    def fake_dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                        bits: int) -> torch.Tensor:
+        return scale.new_empty(scale.shape[0], scale.shape[1] * 32)
+
+    for name, function in (("speclm::small_m_mm", fake), ("speclm::small_m_blocks", fake_blocks),
+                           ("speclm::dequantize_blocks", fake_dequantize)):
+        try:
+            torch.library.register_fake(name)(function)
+        except RuntimeError:  # registered already in this process
+            pass
+
+
+def set_kernel_enabled(enabled: bool) -> None:
+    """Turn the kernel on or off for this process (benchmarks compare both in one run).
+    Compiled graphs keep what they were compiled with."""
+    global _enabled
+    _enabled = enabled
+
+
+class SmallMLinear(nn.Linear):
+    """An ``nn.Linear`` whose float32 CPU forward over at most :data:`MAX_ROWS` rows runs the
+    small-M kernel; any other call runs ``F.linear``. Same parameters and state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (0 < rows <= MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.float32
+                and x.device.type == "cpu" and not (torch.is_grad_enabled() and
+                                                   (x.requires_grad or w.requires_grad))
+                and kernel_available()):
+            y = torch.ops.speclm.small_m_mm(x.reshape(rows, x.shape[-1]), w)  # [rows, N]
+            y = y.view(*x.shape[:-1], w.shape[0])
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, w, self.bias)
+
+
+class BlockLinear(nn.Module):
+    """A GGUF layer on its own Q4_0/Q4_1/Q8_0 blocks, for float32 on an AVX2 CPU: inputs of at
+    most :data:`MAX_ROWS` rows run ``speclm::small_m_blocks`` on the file's codes, scales and
+    minimums; longer ones (a prefill) multiply the blocks' float32 weights, decoded for the
+    call (``speclm::dequantize_blocks``, gguf-py's values exactly), with the BLAS.
+
+    ``codes``: uint8 [N, K/32 * 16] (4-bit, the file's nibble order) or [N, K] (8-bit, int8
+    codes as bytes); ``scale``: float32 [N, K/32]; ``minimum``: float32 [N, K/32] for Q4_1,
+    None for Q4_0 (weights scale * (code - 8)) and Q8_0."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                 bits: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.bits = bits
+        self.in_features, self.out_features = scale.shape[1] * 32, scale.shape[0]
+        self.register_buffer("codes", codes.contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+        self.register_buffer("minimum", None if minimum is None else minimum.float().contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def dequantized(self) -> torch.Tensor:
+        """The layer's float32 weight [N, K], as the file's blocks describe it."""
+        return torch.ops.speclm.dequantize_blocks(self.codes, self.scale, self.minimum, self.bits)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (0 < rows <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
+                and not (torch.is_grad_enabled() and x.requires_grad)):
+            y = torch.ops.speclm.small_m_blocks(x.reshape(rows, x.shape[-1]), self.codes, self.scale,
+                                                self.minimum, self.bits)  # [rows, N]
+            y = y.view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.dequantized().to(x.dtype), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, gguf {self.bits}-bit blocks"
+
+
+def kernel_in_use(model: nn.Module | None) -> bool:
+    """Whether ``model``'s linear layers run the kernel now (its speed depends on it)."""
+    if not isinstance(model, nn.Module) or not kernel_available():
+        return False
+    return any(isinstance(m, BlockLinear) or (type(m) is SmallMLinear and m.weight.dtype == torch.float32)
+               for m in model.modules())
+
+
+def use_small_m(model: nn.Module) -> int:
+    """Swap (in place) every plain ``nn.Linear`` of a float32 CPU ``model`` for a
+    :class:`SmallMLinear` sharing its parameters; returns how many were swapped (0 where the
+    kernel is unavailable, the model is not float32 on the CPU, or it has no such layers)."""
+    try:
+        param = next(model.parameters())
+    except StopIteration:
+        return 0
+    if param.device.type != "cpu" or param.dtype != torch.float32 or not kernel_available():
+        return 0
+    swapped = 0
+    for parent in list(model.modules()):
+        for child, module in list(parent.named_children()):
+            if type(module) is nn.Linear:
+                module.__class__ = SmallMLinear  # the same object: parameters, hooks, ties kept
+                swapped += 1
+    return swapped
