@@ -17,8 +17,10 @@ namespace {
 
 constexpr int64_t kRowsPerPass = 6;  // activation rows sharing one read of a weight row
 
-inline float reduce(__m256 a, __m256 b) {
-  __m256 s = _mm256_add_ps(a, b);
+
+// The sum of a + b's 16 lanes, reduced in one fixed tree.
+inline float reduce(__m256 a, __m256 b = _mm256_setzero_ps()) {
+  const __m256 s = _mm256_add_ps(a, b);
   __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
   v = _mm_add_ps(v, _mm_movehl_ps(v, v));
   v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
@@ -117,12 +119,6 @@ struct Q8Block {
   }
 };
 
-inline float reduce1(__m256 s) {
-  __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-  return _mm_cvtss_f32(v);
-}
 
 // out[r * ldo] for R rows of x (row stride K) and one weight row of nb blocks; xsum [R, nb].
 template <class Block, int R>
@@ -148,7 +144,7 @@ inline void block_rows(const float* x, const float* xsum, const uint8_t* codes, 
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < R; ++r) out[r * ldo] = reduce1(acc[r]) + msum[r];
+  for (int r = 0; r < R; ++r) out[r * ldo] = reduce(acc[r]) + msum[r];
 }
 
 template <class Block>

@@ -79,9 +79,9 @@ def _load() -> bool:
         if not any(Path(_build_directory(name, False)).glob("*.so")):
             print("speclm: building the CPU kernel for float32 verifies (once, about 30 s) ...",
                   file=sys.stderr, flush=True)
-        load(name=name, sources=[str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
-             extra_ldflags=["-fopenmp"],
-             is_python_module=False, verbose=False)
+        # -fopenmp: at::parallel_for's threads; -ffp-contract=off: the roundings written, no fused ones
+        load(name=name, sources=[str(SOURCE)], extra_ldflags=["-fopenmp"], is_python_module=False,
+             extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], verbose=False)
         _register_fake()
         return True
     except Exception as exc:  # noqa: BLE001  (no compiler, no ninja, a read-only cache: run as before)
@@ -119,16 +119,24 @@ def set_kernel_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
+def _kernel_rows(x: torch.Tensor) -> int:
+    """How many rows ``x`` [..., K] hands the kernel: its rows for a float32 CPU input of at
+    most :data:`MAX_ROWS` rows outside autograd, else 0 (the layer runs the BLAS)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (rows > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and x.requires_grad)):
+        return 0
+    return rows
+
+
 class SmallMLinear(nn.Linear):
     """An ``nn.Linear`` whose float32 CPU forward over at most :data:`MAX_ROWS` rows runs the
     small-M kernel; any other call runs ``F.linear``. Same parameters and state dict."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (0 < rows <= MAX_ROWS and x.dtype == torch.float32 and w.dtype == torch.float32
-                and x.device.type == "cpu" and not (torch.is_grad_enabled() and
-                                                   (x.requires_grad or w.requires_grad))
+        rows = _kernel_rows(x)
+        if (rows and w.dtype == torch.float32 and not (torch.is_grad_enabled() and w.requires_grad)
                 and kernel_available()):
             y = torch.ops.speclm.small_m_mm(x.reshape(rows, x.shape[-1]), w)  # [rows, N]
             y = y.view(*x.shape[:-1], w.shape[0])
@@ -161,9 +169,8 @@ class BlockLinear(nn.Module):
         return torch.ops.speclm.dequantize_blocks(self.codes, self.scale, self.minimum, self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (0 < rows <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu"
-                and not (torch.is_grad_enabled() and x.requires_grad)):
+        rows = _kernel_rows(x)
+        if rows:
             y = torch.ops.speclm.small_m_blocks(x.reshape(rows, x.shape[-1]), self.codes, self.scale,
                                                 self.minimum, self.bits)  # [rows, N]
             y = y.view(*x.shape[:-1], self.out_features)
@@ -192,10 +199,7 @@ def use_small_m(model: nn.Module) -> int:
         return 0
     if param.device.type != "cpu" or param.dtype != torch.float32 or not kernel_available():
         return 0
-    swapped = 0
-    for parent in list(model.modules()):
-        for child, module in list(parent.named_children()):
-            if type(module) is nn.Linear:
-                module.__class__ = SmallMLinear  # the same object: parameters, hooks, ties kept
-                swapped += 1
-    return swapped
+    linears = [m for m in model.modules() if type(m) is nn.Linear]
+    for module in linears:
+        module.__class__ = SmallMLinear  # the same object: parameters, hooks, ties kept
+    return len(linears)
