@@ -12,7 +12,12 @@ where it applies), medians of 15 after 3 warm-up runs, and prints the cost per M
 
     python benchmarks/small_m_gemm.py [--modes aten,speclm,inductor,autotune] [--rows 1,2,4,8,16]
 
-``speclm`` is speclm's own small-M kernel (models/small_m.py; beyond its 10 rows it runs ATen).
+``speclm`` is speclm's own small-M kernel (models/small_m.py; beyond its 10 rows it runs ATen);
+``kernel`` calls that kernel at every M (where its row limit should sit). On the same shapes as
+GGUF Q4_1 blocks (random codes, 57 MB): ``q4-float`` (``speclm::small_m_blocks``, float
+activations), ``q4-q8`` (``speclm::small_m_blocks_q8``, 8-bit activations and integer dot
+products, llama.cpp's arithmetic) and ``q4-blas`` (the blocks decoded for the call, then ATen:
+what a long prefill runs).
 """
 
 from __future__ import annotations
@@ -36,6 +41,48 @@ class Projections(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [M, hidden] -> [M, hidden]
         for up, down in zip(self.ups, self.downs):
             x = x + down(torch.relu(up(x)))
+        return x
+
+
+class BlockProjections(nn.Module):
+    """The same projections as GGUF Q4_1 blocks (random codes, scales and minimums)."""
+
+    def __init__(self, mode: str, layers: int = 30, hidden: int = 576, inner: int = 1536) -> None:
+        super().__init__()
+        self.mode = mode
+
+        def blocks(n: int, k: int) -> tuple[torch.Tensor, ...]:
+            codes = torch.randint(0, 256, (n, k // 32 * 16), dtype=torch.uint8)
+            scale = torch.rand(n, k // 32) * 0.004
+            return codes, scale, -7.5 * scale  # weights centred on zero, as a trained layer's are
+
+        self.pairs = [(blocks(inner, hidden), blocks(hidden, inner)) for _ in range(layers)]
+
+    def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
+        ops = torch.ops.speclm
+        if self.mode == "q4-float":
+            return ops.small_m_blocks(x, codes, scale, minimum, 4)
+        if self.mode == "q4-q8":
+            return ops.small_m_blocks_q8(x, codes, scale, minimum, 4)
+        return x @ ops.dequantize_blocks(codes, scale, minimum, 4).t()  # q4-blas
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for up, down in self.pairs:
+            x = x + self.linear(torch.relu(self.linear(x, *up)), *down)
+        return x
+
+
+class KernelProjections(nn.Module):
+    """The float projections through speclm's small-M kernel at every M (no row limit)."""
+
+    def __init__(self, model: Projections) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mm = torch.ops.speclm.small_m_mm
+        for up, down in zip(self.model.ups, self.model.downs):
+            x = x + mm(torch.relu(mm(x, up.weight)), down.weight)
         return x
 
 
@@ -63,12 +110,19 @@ def build(model: nn.Module, mode: str):
         if not use_small_m(mine):
             raise SystemExit("speclm's kernel is not available here (AVX2, g++ and ninja needed)")
         return mine
+    if mode == "kernel" or mode.startswith("q4-"):
+        from speclm.models.small_m import kernel_available
+
+        if not kernel_available():
+            raise SystemExit("speclm's kernel is not available here (AVX2, g++ and ninja needed)")
+        return KernelProjections(model) if mode == "kernel" else BlockProjections(mode)
     if mode == "inductor":
         return torch.compile(model, dynamic=False)
     if mode == "autotune":
         return torch.compile(model, dynamic=False, options={
             "freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"})
-    raise SystemExit(f"unknown mode {mode!r}: aten, speclm, inductor or autotune")
+    raise SystemExit(f"unknown mode {mode!r}: aten, speclm, kernel, inductor, autotune, q4-float, q4-q8 "
+                     "or q4-blas")
 
 
 def main() -> None:

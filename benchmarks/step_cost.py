@@ -6,14 +6,18 @@ not, and this script measures it for the model at hand (median of ``--reps`` run
 
     python benchmarks/step_cost.py --widths 1 2 4 8 11 16 --context 200
     python benchmarks/step_cost.py --compile --quantize gguf      # the compiled path
+    python benchmarks/step_cost.py --compile --quantize gguf --activations q8,float
 
 ``SPECLM_CPU_KERNEL=0`` runs float32 layers on torch's own products instead of speclm's small-M
-kernel (models/small_m.py), for a before/after on the same machine.
+kernels (models/small_m.py), for a before/after on the same machine; ``--attention sdpa`` keeps
+those for the linear layers but runs attention on PyTorch's SDPA; ``SPECLM_GGUF_ACTIVATIONS=float``
+runs a GGUF's blocks on float activations instead of llama.cpp's 8-bit ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -31,30 +35,49 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="the compiled static-cache path")
     ap.add_argument("--quantize", default=None, help="int8, int4 or gguf (implies --compile)")
     ap.add_argument("--dtype", default=None, help="float32, bfloat16 (default: the path's own)")
+    ap.add_argument("--attention", choices=["kernel", "sdpa"], default="kernel",
+                    help="sdpa: attention on PyTorch's SDPA even where speclm's kernel runs")
+    ap.add_argument("--activations", default=None,
+                    help="with --quantize gguf: q8, float or both (q8,float): one model each, timed "
+                         "interleaved in this process")
     args = ap.parse_args()
-    lm = load_model(args.model, backend="torch", compile=args.compile, quantize=args.quantize,
-                    dtype=args.dtype).backend
-    if hasattr(lm, "warmup"):
-        lm.warmup(max(args.widths) - 1)
+    if args.attention == "sdpa":
+        from speclm.models import attention
+
+        attention.KERNEL_MAX_QUERIES = 0
+    variants = {}
+    for activations in (args.activations.split(",") if args.activations else [None]):
+        if activations:
+            os.environ["SPECLM_GGUF_ACTIVATIONS"] = activations  # read when the layers are built
+        lm = load_model(args.model, backend="torch", compile=args.compile, quantize=args.quantize,
+                        dtype=args.dtype).backend
+        if hasattr(lm, "warmup"):
+            lm.warmup(max(args.widths) - 1)
+        variants[activations or lm.backend_name] = lm
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, lm.vocab_size, (args.context,), generator=gen)
-    lm.forward(prompt, 0)
-    rows = []
-    for width in args.widths:
-        times = []
-        for _ in range(args.reps + 2):
+    prompt = torch.randint(0, next(iter(variants.values())).vocab_size, (args.context,), generator=gen)
+    for lm in variants.values():
+        lm.forward(prompt, 0)
+    times: dict[tuple[str, int], list[float]] = {}
+    for rep in range(args.reps + 2):
+        for width in args.widths:
             tokens = torch.randint(0, lm.vocab_size, (width,), generator=gen)
-            start = time.perf_counter()
-            lm.forward(tokens, args.context, num_logits=width)  # as in verification
-            times.append(time.perf_counter() - start)
-            lm.rollback(args.context)
-        rows.append((width, statistics.median(times[2:])))
-    base = rows[0][1]
-    print(f"| tokens per forward | median ms | vs 1 token |  ({lm.backend_name}, context {args.context}, "
-          f"{torch.get_num_threads()} threads)")
-    print("|---|---|---|")
-    for width, t in rows:
-        print(f"| {width} | {t * 1e3:.1f} | {t / base:.2f}x |")
+            for name, lm in variants.items():  # interleaved: each variant sees the same machine
+                start = time.perf_counter()
+                lm.forward(tokens, args.context, num_logits=width)  # as in verification
+                if rep >= 2:
+                    times.setdefault((name, width), []).append(time.perf_counter() - start)
+                lm.rollback(args.context)
+    print(f"context {args.context}, {torch.get_num_threads()} threads, attention {args.attention}, "
+          f"median of {args.reps}")
+    print("| tokens per forward | " + " | ".join(f"{name} ms | vs 1 token" for name in variants) + " |")
+    print("|---:|" + "---:|---:|" * len(variants))
+    for width in args.widths:
+        cells = []
+        for name in variants:
+            t, base = (statistics.median(times[(name, w)]) for w in (width, args.widths[0]))
+            cells.append(f"{t * 1e3:.1f} | {t / base:.2f}x")
+        print(f"| {width} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

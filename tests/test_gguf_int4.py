@@ -15,6 +15,7 @@ from gguf.quants import dequantize, quantize
 
 from speclm.errors import SpeclmError
 from speclm.models.gguf_int4 import (
+    ACTIVATIONS_ENV,
     SplitQ8Linear,
     _from_blocks,
     decode_q4,
@@ -22,7 +23,7 @@ from speclm.models.gguf_int4 import (
     keep_gguf_int4,
 )
 from speclm.models.quantize import Int4Linear
-from speclm.models.small_m import MAX_ROWS, BlockLinear
+from speclm.models.small_m import BLOCK_MAX_ROWS, MAX_ROWS, BlockLinear
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
@@ -75,11 +76,16 @@ def test_layer_computes_the_files_weights_exactly(type_name):
     assert layer.in_features == 96 and layer.out_features == 48
     assert torch.equal(_dense(layer), weight)  # bit for bit, after the row reordering
     x = torch.randn(3, 96)
-    torch.testing.assert_close(layer(x), x @ weight.T + bias, rtol=1e-5, atol=1e-5)
+    exact = x @ weight.T + bias
+    if isinstance(layer, BlockLinear) and layer.activations == "q8":  # 8-bit activations: ~1% of the scale
+        torch.testing.assert_close(layer(x), exact, rtol=0, atol=0.02 * exact.abs().max().item())
+    else:
+        torch.testing.assert_close(layer(x), exact, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("activations", ["q8", "float"])
 @pytest.mark.parametrize("type_name", TYPES)
-def test_the_cpu_kernel_runs_the_files_blocks_exactly(cpu_kernel, type_name):
+def test_the_cpu_kernel_runs_the_files_blocks_exactly(cpu_kernel, type_name, activations, monkeypatch):
     """float32 on an AVX2 CPU: few-row products run speclm's kernel on the file's own blocks.
     Read back with one-hot rows its weights are gguf-py's values bit for bit; a row's output is
     the same alone or among others; long inputs run the int4 layer."""
@@ -87,8 +93,9 @@ def test_the_cpu_kernel_runs_the_files_blocks_exactly(cpu_kernel, type_name):
     order = np.random.default_rng(5).permutation(48)
     weight = torch.from_numpy(dequantized[order].copy())
     bias = torch.randn(48)
+    monkeypatch.setenv(ACTIVATIONS_ENV, activations)
     layer = _from_blocks(raw, type_name, weight, bias)
-    assert isinstance(layer, BlockLinear)
+    assert isinstance(layer, BlockLinear) and layer.activations == activations
     eye = torch.eye(96)
     read = torch.cat([cpu_kernel.small_m_blocks(eye[i:i + 8], layer.codes, layer.scale, layer.minimum,
                                                 layer.bits) for i in range(0, 96, 8)])  # [K, N]
@@ -96,9 +103,13 @@ def test_the_cpu_kernel_runs_the_files_blocks_exactly(cpu_kernel, type_name):
     x = torch.randn(MAX_ROWS, 96)
     with torch.no_grad():
         y = layer(x)
-        torch.testing.assert_close(y, x @ weight.T + bias, rtol=1e-5, atol=1e-5)
+        exact = x @ weight.T + bias
+        if activations == "q8":  # the integer products, checked exactly in tests/test_small_m.py
+            torch.testing.assert_close(y, exact, rtol=0, atol=0.02 * exact.abs().max().item())
+        else:
+            torch.testing.assert_close(y, exact, rtol=1e-5, atol=1e-5)
         assert all(torch.equal(layer(x[i:i + 1]), y[i:i + 1]) for i in range(MAX_ROWS))
-        long = torch.randn(2, MAX_ROWS, 96)  # beyond the kernel's rows: the BLAS
+        long = torch.randn(2, BLOCK_MAX_ROWS // 2 + 1, 96)  # beyond the kernel's rows: the BLAS
         torch.testing.assert_close(layer(long), long @ weight.T + bias, rtol=1e-5, atol=1e-5)
 
 
@@ -108,6 +119,20 @@ def test_foreign_weights_are_refused():
     weight[7, 11] += 1e-3  # one value that the file does not hold
     assert _from_blocks(raw, "Q4_1", weight, None) is None
     assert _from_blocks(raw, "Q4_1", weight[:, :64].contiguous(), None) is None  # wrong shape
+
+
+def _assert_like_the_float_model(got: torch.Tensor, want: torch.Tensor, model: torch.nn.Module) -> None:
+    """Logits of the file's blocks against the float32 model dequantized from the same file: the
+    float-activation kernel differs only in summation order; 8-bit activations (llama.cpp's
+    arithmetic) move the default model's logits by up to ~1.5 (mean ~0.2) on an 8-token prompt,
+    about as far as llama.cpp's own logits sit from the float model (1.2, mean 0.17)."""
+    if any(isinstance(m, BlockLinear) and m.activations == "q8" for m in model.modules()):
+        diff = (got - want).abs()
+        assert diff.max() < 2.5 and diff.mean() < 0.35, (diff.max(), diff.mean())
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.75
+    else:
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-3)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.real_model
@@ -129,9 +154,8 @@ def test_default_model_runs_its_own_blocks():
                  "model.layers.29.mlp.down_proj"):  # q and k are the rows transformers reorders
         assert torch.equal(_dense(model.get_submodule(name)), reference[name]), name
     with torch.inference_mode():
-        after = model(ids).logits[0]  # the int4 kernels in float32: only summation order differs
-    torch.testing.assert_close(after, before, rtol=0, atol=2e-3)
-    assert torch.equal(after.argmax(-1), before.argmax(-1))
+        after = model(ids).logits[0]
+    _assert_like_the_float_model(after, before, model)
 
 
 def test_clear_errors(tmp_path):
@@ -166,7 +190,7 @@ def test_quantized_self_draft_uses_the_files_blocks():
     ids = torch.tensor([1, 504, 3458, 314, 260, 1345, 30, 198])
     a = draft.forward(ids, 0, num_logits=8).logits
     b = target.forward(ids, 0, num_logits=8).logits
-    torch.testing.assert_close(a, b, rtol=0, atol=2e-3)
+    _assert_like_the_float_model(a, b, draft.model)
 
 
 @pytest.mark.real_model

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from speclm.drafters.ngram import NgramDrafter
 from speclm.engine import generate_tokens
 from speclm.models import small_m
+from speclm.models.attention import KERNEL_MAX_QUERIES, _kernel_applies
 from speclm.models.small_m import MAX_ROWS, SmallMLinear, use_small_m
 from speclm.sampling import SamplingParams
 
@@ -98,3 +100,113 @@ def test_turned_off_it_runs_torch_s_product(kernel, monkeypatch):
     finally:
         small_m.set_kernel_enabled(True)
     assert calls
+
+
+_MASKED = torch.finfo(torch.float32).min
+
+
+@pytest.mark.parametrize(("batch", "heads", "kv_heads", "queries", "slots", "dim"),
+                         [(1, 9, 3, 1, 300, 64), (2, 9, 3, 5, 40, 64), (1, 4, 4, 3, 17, 37), (3, 8, 2, 7, 64, 128)])
+def test_attention_kernel_matches_sdpa_and_a_query_is_the_same_alone_or_among_others(
+        cpu_kernel, batch, heads, kv_heads, queries, slots, dim):
+    gen = torch.Generator().manual_seed(slots)
+    query = torch.randn(batch, queries, heads, dim, generator=gen).transpose(1, 2)  # [B, H, T, D], strided
+    # key/value: the first slots of a larger buffer, as a static cache hands them over
+    key = torch.randn(batch, kv_heads, slots + 9, dim, generator=gen)[:, :, :slots]
+    value = torch.randn(batch, kv_heads, slots + 9, dim, generator=gen)[:, :, :slots]
+    seen = torch.rand(batch, 1, queries, slots, generator=gen) < 0.6
+    seen[..., 0] = True
+    additive = torch.where(seen, 0.0, _MASKED)
+    additive[..., 1] = torch.where(seen[..., 1], -float("inf"), additive[..., 1].new_tensor(0.5))  # -inf and a bias
+    seen[..., 1] = ~seen[..., 1]
+    scale = dim ** -0.5
+    for mask in (additive, seen):
+        want = F.scaled_dot_product_attention(query.double(), key.double(), value.double(), scale=scale,
+                                              attn_mask=mask.double() if mask.is_floating_point() else mask,
+                                              enable_gqa=True).transpose(1, 2)  # [B, T, H, D]
+        got = cpu_kernel.small_m_attention(query, key, value, mask, scale)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+        for t in range(queries):
+            alone = cpu_kernel.small_m_attention(query[:, :, t : t + 1], key, value, mask[:, :, t : t + 1], scale)
+            assert torch.equal(alone[:, 0], got[:, t])
+    if queries == 1:  # no mask: one query sees every slot
+        want = F.scaled_dot_product_attention(query.double(), key.double(), value.double(), scale=scale,
+                                              enable_gqa=True).transpose(1, 2)
+        got = cpu_kernel.small_m_attention(query, key, value, None, scale)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_float32_model_computes_a_verify_s_rows_bit_for_bit_as_its_steps(cpu_kernel):
+    """Linear layers and attention both row-invariant: the logits of T tokens fed at once are
+    the logits of the same tokens fed one at a time (the attention fallback, SDPA, is not)."""
+    target = backend(tiny_model(300, seed=0).float())
+    tokens = torch.randint(1, 300, (14,), generator=torch.Generator().manual_seed(2))
+    target.forward(tokens[:8], 0)
+    verify = target.forward(tokens[8:], 8, num_logits=6).logits  # [6, V]
+    target.rollback(8)
+    steps = torch.cat([target.forward(tokens[i : i + 1], i).logits for i in range(8, 14)])
+    assert torch.equal(verify, steps)
+
+
+def test_attention_falls_back_outside_its_case(cpu_kernel):
+    module = nn.Module()
+    query, key = torch.randn(1, 4, 2, 16), torch.randn(1, 2, 10, 16)
+    mask = torch.zeros(1, 1, 2, 10)
+    assert _kernel_applies(module, query, key, key, mask, 0.0, {})
+    assert not _kernel_applies(module, query.double(), key.double(), key.double(), mask.double(), 0.0, {})
+    assert not _kernel_applies(module, query, key, key, None, 0.0, {})  # 2 queries, causality unstated
+    assert not _kernel_applies(module, query, key, key, mask, 0.1, {})
+    assert not _kernel_applies(module, query, key, key, mask, 0.0, {"softcap": 30.0})
+    assert not _kernel_applies(module, torch.randn(1, 4, KERNEL_MAX_QUERIES + 1, 16), key, key, None, 0.0, {})
+    small_m.set_kernel_enabled(False)
+    try:
+        assert not _kernel_applies(module, query, key, key, mask, 0.0, {})
+    finally:
+        small_m.set_kernel_enabled(True)
+
+
+def _q8_reference(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                  bits: int) -> torch.Tensor:
+    """What small_m_blocks_q8 computes, in float64: x quantized per 32 inputs as llama.cpp does
+    (q = round-half-even(x * 127 / max|x|), d = max|x| / 127 and s = d * sum(q) in half
+    precision), then the exact integer dot product of every block, scaled."""
+    rows, k = x.shape
+    xb = x.view(rows, k // 32, 32)
+    amax = xb.abs().amax(-1)  # [M, nb] float32, as the kernel computes it
+    inv = torch.where(amax != 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(xb * inv[..., None])  # half to even
+    d = (amax / 127.0).half().double()
+    s = ((amax / 127.0) * q.sum(-1)).half().double()
+    if bits == 4:  # byte j: input j (low nibble) and j + 16 (high)
+        packed = codes.view(codes.shape[0], -1, 16).long()
+        w = torch.cat([packed & 15, packed >> 4], -1)  # [N, nb, 32]
+        if minimum is None:
+            w = w - 8
+    else:
+        w = codes.view(torch.int8).view(codes.shape[0], -1, 32).long()
+    dots = torch.einsum("mbi,nbi->mnb", q.long(), w).double()  # exact
+    scales = (scale[None] * d.float()[:, None]).double()  # d_w * d_x, multiplied in float32
+    y = (dots * scales).sum(-1)
+    if minimum is not None:
+        y = y + (minimum.double()[None] * s[:, None]).sum(-1)
+    return y
+
+
+@pytest.mark.parametrize(("bits", "with_minimum"), [(4, False), (4, True), (8, False)], ids=["Q4_0", "Q4_1", "Q8_0"])
+def test_int8_activation_blocks_compute_the_integer_dot_products_and_a_row_is_the_same_alone(
+        cpu_kernel, bits, with_minimum):
+    gen = torch.Generator().manual_seed(bits + with_minimum)
+    n, k = 45, 96
+    codes = torch.randint(0, 256, (n, k // 32 * (16 if bits == 4 else 32)), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02
+    minimum = -torch.rand(n, k // 32, generator=gen) * 0.1 if with_minimum else None
+    x = torch.randn(MAX_ROWS, k, generator=gen)
+    x[1, 32:64] = 0.0  # an all-zero block
+    y = cpu_kernel.small_m_blocks_q8(x, codes, scale, minimum, bits)  # [MAX_ROWS, n]
+    torch.testing.assert_close(y.double(), _q8_reference(x, codes, scale, minimum, bits), rtol=1e-5, atol=1e-5)
+    for m in range(1, MAX_ROWS + 1):
+        assert torch.equal(cpu_kernel.small_m_blocks_q8(x[m - 1 : m], codes, scale, minimum, bits), y[m - 1 : m])
+    # and close to the float product with the blocks' weights (8-bit activations: ~1% of the scale)
+    w = cpu_kernel.dequantize_blocks(codes, scale, minimum, bits)
+    exact = x.double() @ w.double().t()
+    assert (y.double() - exact).abs().max() < 0.02 * exact.abs().max()

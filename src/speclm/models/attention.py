@@ -16,14 +16,27 @@ a copy, so plain decoding computes what it always did), unmasked prefill (transf
 and soft-capping. Graphs being compiled (models/compiled.py) take it for every query length:
 traced, transformers' path copies the repeated heads of the whole static cache in every layer
 (for 16 rows of the default model, 30% of a one-token step).
+
+In float32 on a CPU where speclm's kernels build (models/small_m.py), queries of up to
+:data:`KERNEL_MAX_QUERIES` rows (every decoding step, verify and batched step; not a long
+prefill) run ``speclm::small_m_attention`` instead, in eager and compiled forwards alike: each
+query head reads its shared key/value head in place, and only the slots its mask lets it see, so
+a compiled step over a static cache costs what the filled part costs, not the whole capacity.
+Each query row is computed alone in a fixed order, so a row's attention has the same bits in a
+one-token step as inside a verify.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from .small_m import kernel_available
+
 NAME = "speclm_sdpa"
+KERNEL_MAX_QUERIES = 64  # query rows per forward that run speclm's attention kernel
 # attention implementations that apply a 4D mask as given (token trees, ragged rows)
 MASKED_4D = ("eager", "sdpa", NAME)
 
@@ -32,6 +45,9 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """query [B, H, T, D], key/value [B, H_kv, L, D], attention_mask [B|1, 1, T, L] -> [B, T, H, D]."""
+    if _kernel_applies(module, query, key, value, attention_mask, dropout, kwargs):
+        scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        return torch.ops.speclm.small_m_attention(query, key, value, attention_mask, scale), None
     groups = getattr(module, "num_key_value_groups", 1)
     compiling = torch.compiler.is_compiling()
     if (groups == 1 or (query.shape[2] == 1 and not compiling) or attention_mask is None
@@ -44,6 +60,27 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, enable_gqa=True)  # [B, H, T, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def _kernel_applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
+    """Whether speclm's attention kernel computes exactly this call: float32 on the CPU, a few
+    query rows, a plain additive mask (or none), no dropout, biases, soft-capping or sinks."""
+    if (query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
+            or value.dtype != torch.float32 or query.shape[2] > KERNEL_MAX_QUERIES
+            or key.shape != value.shape or query.shape[-1] != key.shape[-1]
+            or key.shape[0] != query.shape[0] or query.shape[1] % key.shape[1] or dropout
+            or (torch.is_grad_enabled() and query.requires_grad)
+            or any(kwargs.get(name) is not None for name in ("position_bias", "softcap", "s_aux"))):
+        return False
+    if mask is None:  # one query sees the whole cache; longer ones leave causality to transformers
+        if query.shape[2] != 1:
+            return False
+    elif (mask.dtype not in (torch.float32, torch.bool) or mask.dim() != 4 or mask.shape[1] != 1
+          or mask.shape[0] not in (1, query.shape[0]) or mask.shape[2] != query.shape[2]
+          or mask.shape[3] != key.shape[2]):
+        return False
+    return kernel_available()
 
 
 def _register() -> None:

@@ -23,7 +23,9 @@ dequantized float weights, in the compute dtype.
 
 In float32 on an AVX2 CPU, where PyTorch's int4 kernel is slow (about 0.2 s a token for the
 default model on a Zen 3), the layers are instead :class:`~.small_m.BlockLinear`s: speclm's own
-kernel on the file's blocks as stored (models/small_m.py).
+kernel on the file's blocks as stored (models/small_m.py). By default it multiplies them as
+llama.cpp's CPU kernels do: each activation row quantized to 8 bits per block of 32, then integer
+dot products; ``SPECLM_GGUF_ACTIVATIONS=float`` multiplies float activations instead.
 
 On CUDA the same layers use PyTorch's CUDA int4 kernel (bfloat16 scales): written for, never
 run on a GPU.
@@ -31,6 +33,7 @@ run on a GPU.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,11 +43,12 @@ from torch import nn
 
 from ..errors import SpeclmError
 from .quant_linear import Int4Linear
-from .small_m import BlockLinear, kernel_available
+from .small_m import ACTIVATIONS, BlockLinear, kernel_available
 
 BLOCK = 32  # inputs per Q4_0 / Q4_1 / Q8_0 block
 FOUR_BIT = ("Q4_0", "Q4_1")  # the block types of 4-bit codes
 EXACT_TYPES = (*FOUR_BIT, "Q8_0")  # every type this module runs on the file's own codes
+ACTIVATIONS_ENV = "SPECLM_GGUF_ACTIVATIONS"  # q8 (default) or float: see block_activations
 
 
 @dataclass
@@ -150,12 +154,13 @@ def _from_blocks(data: np.ndarray, type_name: str, weight: torch.Tensor,
     if weight.dtype == torch.float32 and weight.device.type == "cpu" and kernel_available():
         # float32 on an AVX2 CPU: speclm's kernel runs the file's blocks as they are stored
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a[order]))  # noqa: E731
+        activations = block_activations()
         if type_name == "Q8_0":
-            return BlockLinear(as_tensor(q8.view(np.uint8)), as_tensor(scale), None, 8, bias)
+            return BlockLinear(as_tensor(q8.view(np.uint8)), as_tensor(scale), None, 8, bias, activations)
         grouped = codes.reshape(codes.shape[0], -1, BLOCK)  # [N, K/32, 32] -> the file's nibble order
         packed = (grouped[..., : BLOCK // 2] | grouped[..., BLOCK // 2:] << 4).reshape(codes.shape[0], -1)
         own_minimum = as_tensor(minimum) if type_name == "Q4_1" else None  # Q4_0: d * (q - 8)
-        return BlockLinear(as_tensor(packed), as_tensor(scale), own_minimum, 4, bias)
+        return BlockLinear(as_tensor(packed), as_tensor(scale), own_minimum, 4, bias, activations)
 
     def int4(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bias) -> Int4Linear:
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a[order])).to(weight.device)  # noqa: E731
@@ -168,6 +173,16 @@ def _from_blocks(data: np.ndarray, type_name: str, weight: torch.Tensor,
     low = q8.astype(np.int32) - 16 * high  # [0, 15]
     zero = np.zeros_like(scale)
     return SplitQ8Linear(int4(high + 8, 16 * scale, -128 * scale, bias), int4(low, scale, zero, None))
+
+
+def block_activations() -> str:
+    """How :class:`~.small_m.BlockLinear` layers multiply: ``SPECLM_GGUF_ACTIVATIONS`` (``q8``,
+    the default: 8-bit activations and integer dot products, as llama.cpp computes these blocks;
+    ``float``: float activations times the decoded weights)."""
+    value = os.environ.get(ACTIVATIONS_ENV, ACTIVATIONS[0])
+    if value not in ACTIVATIONS:
+        raise SpeclmError(f"{ACTIVATIONS_ENV}={value!r}: use one of {', '.join(ACTIVATIONS)}")
+    return value
 
 
 def stores_4bit(gguf_path: Path | str) -> bool:

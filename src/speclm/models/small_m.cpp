@@ -13,19 +13,13 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "small_m.h"
+
 namespace {
 
+using speclm::reduce;
+
 constexpr int64_t kRowsPerPass = 6;  // activation rows sharing one read of a weight row
-
-
-// The sum of a + b's 16 lanes, reduced in one fixed tree.
-inline float reduce(__m256 a, __m256 b = _mm256_setzero_ps()) {
-  const __m256 s = _mm256_add_ps(a, b);
-  __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-  v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
-  return _mm_cvtss_f32(v);
-}
 
 // out[r * ldo] = dot(x[r], w) for R rows of x (row stride K) and one weight row w of length K.
 template <int R>
@@ -151,23 +145,9 @@ template <class Block>
 void blocks_mm(const float* xp, const float* xsum, const uint8_t* cp, const float* sp, const float* mp,
                int64_t M, int64_t K, int64_t N, float* yp) {
   const int64_t nb = K / 32, row_bytes = nb * Block::kBytes;
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* c = cp + n * row_bytes;
-      const float* s = sp + n * nb;
-      const float* mn = mp == nullptr ? nullptr : mp + n * nb;
-      for (int64_t m = 0; m < M; m += 4) {
-        const float* xr = xp + m * K;
-        const float* xs = xsum + m * nb;
-        float* out = yp + m * N + n;
-        switch (std::min<int64_t>(4, M - m)) {
-          case 4: block_rows<Block, 4>(xr, xs, c, s, mn, nb, K, out, N); break;
-          case 3: block_rows<Block, 3>(xr, xs, c, s, mn, nb, K, out, N); break;
-          case 2: block_rows<Block, 2>(xr, xs, c, s, mn, nb, K, out, N); break;
-          default: block_rows<Block, 1>(xr, xs, c, s, mn, nb, K, out, N); break;
-        }
-      }
-    }
+  speclm::for_row_groups(M, N, [&](auto R, int64_t m, int64_t n) {
+    block_rows<Block, decltype(R)::value>(xp + m * K, xsum + m * nb, cp + n * row_bytes, sp + n * nb,
+                                          mp == nullptr ? nullptr : mp + n * nb, nb, K, yp + m * N + n, N);
   });
 }
 
@@ -195,25 +175,10 @@ void dequantize_rows(const uint8_t* cp, const float* sp, const float* mp, int64_
   });
 }
 
-void check_blocks(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
-                  int64_t bits, int64_t K) {
-  TORCH_CHECK(bits == 4 || bits == 8, "small_m_blocks: bits is 4 (Q4_0 without a minimum, Q4_1 with one) or 8 (Q8_0)");
-  TORCH_CHECK(K % 32 == 0, "small_m_blocks: K must be a multiple of 32");
-  const int64_t N = codes.size(0), nb = K / 32;
-  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 2 &&
-              codes.size(1) == nb * (bits == 4 ? 16 : 32),
-              "small_m_blocks: codes are uint8 [N, K/32 * bytes per block] on the CPU");
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == N && scale.size(1) == nb,
-              "small_m_blocks: scale is float32 [N, K/32]");
-  TORCH_CHECK(!minimum.has_value() || (bits == 4 && minimum->scalar_type() == at::kFloat &&
-                                       minimum->sizes() == scale.sizes()),
-              "small_m_blocks: minimum is float32 [N, K/32], for 4-bit blocks only");
-}
-
 at::Tensor dequantize_blocks(const at::Tensor& codes, const at::Tensor& scale,
                              const c10::optional<at::Tensor>& minimum, int64_t bits) {
   const int64_t K = scale.size(1) * 32, N = codes.size(0);
-  check_blocks(codes, scale, minimum, bits, K);
+  speclm::check_blocks(codes, scale, minimum, bits, K);
   const at::Tensor cc = codes.contiguous(), sc = scale.contiguous();
   const at::Tensor mc = minimum.has_value() ? minimum->contiguous() : at::Tensor();
   at::Tensor w = at::empty({N, K}, sc.options());
@@ -227,12 +192,14 @@ at::Tensor dequantize_blocks(const at::Tensor& codes, const at::Tensor& scale,
   return w;
 }
 
-at::Tensor small_m_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
-                          const c10::optional<at::Tensor>& minimum, int64_t bits) {
+}  // namespace
+
+at::Tensor speclm::small_m_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                  const c10::optional<at::Tensor>& minimum, int64_t bits) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
               "small_m_blocks: x is float32 [M, K] on the CPU");
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / 32;
-  check_blocks(codes, scale, minimum, bits, K);
+  speclm::check_blocks(codes, scale, minimum, bits, K);
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous();
   const at::Tensor mc = minimum.has_value() ? minimum->contiguous() : at::Tensor();
   // block sums of x (for the minimums), each summed in input order
@@ -255,7 +222,6 @@ at::Tensor small_m_blocks(const at::Tensor& x, const at::Tensor& codes, const at
   return y;
 }
 
-}  // namespace
 
 TORCH_LIBRARY(speclm, m) {
   m.def("small_m_mm(Tensor x, Tensor w) -> Tensor");
@@ -264,6 +230,6 @@ TORCH_LIBRARY(speclm, m) {
 }
 TORCH_LIBRARY_IMPL(speclm, CPU, m) {
   m.impl("small_m_mm", &small_m_mm);
-  m.impl("small_m_blocks", &small_m_blocks);
+  m.impl("small_m_blocks", &speclm::small_m_blocks);
   m.impl("dequantize_blocks", &dequantize_blocks);
 }

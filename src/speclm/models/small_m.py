@@ -30,6 +30,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import torch
@@ -38,9 +39,13 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-MAX_ROWS = 10  # above this MKL's product is as fast (benchmarks/small_m_gemm.py --modes aten,speclm)
-SOURCE = Path(__file__).with_name("small_m.cpp")
+# rows up to which the kernels beat the BLAS (benchmarks/small_m_gemm.py --modes aten,kernel,q4-q8,q4-blas):
+MAX_ROWS = 16  # float weights: MKL's product is as fast at 16 rows and faster beyond
+BLOCK_MAX_ROWS = 32  # a GGUF's blocks: beyond this, decoding them for the BLAS is cheaper
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("small_m.cpp", "small_m_attention.cpp", "small_m_q8.cpp"))
+HEADER = Path(__file__).with_name("small_m.h")
 ENV = "SPECLM_CPU_KERNEL"  # "0" turns the kernel off
+ACTIVATIONS = ("q8", "float")  # how BlockLinear multiplies: 8-bit activations (llama.cpp's way) or floats
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
@@ -74,13 +79,13 @@ def _load() -> bool:
         from torch.utils.cpp_extension import _get_build_directory as _build_directory
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, HEADER))).hexdigest()[:12]
         name = f"speclm_small_m_{digest}"
         if not any(Path(_build_directory(name, False)).glob("*.so")):
-            print("speclm: building the CPU kernel for float32 verifies (once, about 30 s) ...",
+            print("speclm: building the CPU kernels for float32 steps (once, 30-90 s) ...",
                   file=sys.stderr, flush=True)
         # -fopenmp: at::parallel_for's threads; -ffp-contract=off: the roundings written, no fused ones
-        load(name=name, sources=[str(SOURCE)], extra_ldflags=["-fopenmp"], is_python_module=False,
+        load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(HEADER.parent)], extra_ldflags=["-fopenmp"], is_python_module=False,
              extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], verbose=False)
         _register_fake()
         return True
@@ -104,8 +109,18 @@ def _register_fake() -> None:
                         bits: int) -> torch.Tensor:
         return scale.new_empty(scale.shape[0], scale.shape[1] * 32)
 
+    def fake_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        return query.new_empty(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+
+    def fake_registered(x: torch.Tensor, handle: int, q8: bool) -> torch.Tensor:
+        return x.new_empty(x.shape[0], _block_rows[handle])
+
     for name, function in (("speclm::small_m_mm", fake), ("speclm::small_m_blocks", fake_blocks),
-                           ("speclm::dequantize_blocks", fake_dequantize)):
+                           ("speclm::small_m_blocks_q8", fake_blocks),
+                           ("speclm::registered_blocks", fake_registered),
+                           ("speclm::dequantize_blocks", fake_dequantize),
+                           ("speclm::small_m_attention", fake_attention)):
         try:
             torch.library.register_fake(name)(function)
         except RuntimeError:  # registered already in this process
@@ -119,11 +134,11 @@ def set_kernel_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-def _kernel_rows(x: torch.Tensor) -> int:
+def _kernel_rows(x: torch.Tensor, limit: int) -> int:
     """How many rows ``x`` [..., K] hands the kernel: its rows for a float32 CPU input of at
-    most :data:`MAX_ROWS` rows outside autograd, else 0 (the layer runs the BLAS)."""
+    most ``limit`` rows outside autograd, else 0 (the layer runs the BLAS)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows > MAX_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
+    if (rows > limit or x.dtype != torch.float32 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and x.requires_grad)):
         return 0
     return rows
@@ -135,7 +150,7 @@ class SmallMLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        rows = _kernel_rows(x)
+        rows = _kernel_rows(x, MAX_ROWS)
         if (rows and w.dtype == torch.float32 and not (torch.is_grad_enabled() and w.requires_grad)
                 and kernel_available()):
             y = torch.ops.speclm.small_m_mm(x.reshape(rows, x.shape[-1]), w)  # [rows, N]
@@ -146,39 +161,77 @@ class SmallMLinear(nn.Linear):
 
 class BlockLinear(nn.Module):
     """A GGUF layer on its own Q4_0/Q4_1/Q8_0 blocks, for float32 on an AVX2 CPU: inputs of at
-    most :data:`MAX_ROWS` rows run ``speclm::small_m_blocks`` on the file's codes, scales and
+    most :data:`BLOCK_MAX_ROWS` rows run ``speclm::small_m_blocks`` on the file's codes, scales and
     minimums; longer ones (a prefill) multiply the blocks' float32 weights, decoded for the
     call (``speclm::dequantize_blocks``, gguf-py's values exactly), with the BLAS.
 
     ``codes``: uint8 [N, K/32 * 16] (4-bit, the file's nibble order) or [N, K] (8-bit, int8
     codes as bytes); ``scale``: float32 [N, K/32]; ``minimum``: float32 [N, K/32] for Q4_1,
-    None for Q4_0 (weights scale * (code - 8)) and Q8_0."""
+    None for Q4_0 (weights scale * (code - 8)) and Q8_0.
+
+    ``activations``: ``"q8"`` (the default) quantizes the activations to 8 bits per block of 32
+    as llama.cpp does for these weights and multiplies with integer dot products
+    (``speclm::small_m_blocks_q8``: what llama.cpp computes, about twice as fast); ``"float"``
+    multiplies the float activations by the decoded weights (``speclm::small_m_blocks``).
+
+    The blocks are registered with the kernel once (``speclm::register_blocks``) and the layer
+    calls it with that integer handle: a compiled step then guards one integer per layer instead
+    of three tensors (TorchDynamo checks every tensor a graph reads at each call, ~2 us each).
+    The handle is released when the layer is freed, and taken anew by a copy or a moved layer."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
-                 bits: int, bias: torch.Tensor | None) -> None:
+                 bits: int, bias: torch.Tensor | None, activations: str = "q8") -> None:
         super().__init__()
-        self.bits = bits
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+        self.bits, self.activations = bits, activations
         self.in_features, self.out_features = scale.shape[1] * 32, scale.shape[0]
         self.register_buffer("codes", codes.contiguous())
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("minimum", None if minimum is None else minimum.float().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._register()
+
+    def _register(self) -> None:
+        """Register the current buffers with the kernel; the handle is released with the layer."""
+        handle = torch.ops.speclm.register_blocks(self.codes, self.scale, self.minimum, self.bits)
+        _block_rows[handle] = self.out_features
+        self.handle = handle
+        weakref.finalize(self, _release_blocks, handle)
+
+    def __setstate__(self, state: dict) -> None:  # a deep copy or an unpickled layer: its own handle
+        super().__setstate__(state)
+        self._register()
+
+    def _apply(self, fn, recurse: bool = True):  # .to() and friends replace the buffers
+        out = super()._apply(fn, recurse)
+        self._register()
+        return out
 
     def dequantized(self) -> torch.Tensor:
         """The layer's float32 weight [N, K], as the file's blocks describe it."""
         return torch.ops.speclm.dequantize_blocks(self.codes, self.scale, self.minimum, self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _kernel_rows(x)
+        rows = _kernel_rows(x, BLOCK_MAX_ROWS)
         if rows:
-            y = torch.ops.speclm.small_m_blocks(x.reshape(rows, x.shape[-1]), self.codes, self.scale,
-                                                self.minimum, self.bits)  # [rows, N]
+            y = torch.ops.speclm.registered_blocks(x.reshape(rows, x.shape[-1]), self.handle,
+                                                   self.activations == "q8")  # [rows, N]
             y = y.view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
         return F.linear(x, self.dequantized().to(x.dtype), self.bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, gguf {self.bits}-bit blocks"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, gguf {self.bits}-bit blocks, "
+                f"{self.activations} activations")
+
+
+_block_rows: dict[int, int] = {}  # registered block layers: handle -> output rows (for the fake)
+
+
+def _release_blocks(handle: int) -> None:
+    _block_rows.pop(handle, None)
+    torch.ops.speclm.release_blocks(handle)
 
 
 def kernel_in_use(model: nn.Module | None) -> bool:

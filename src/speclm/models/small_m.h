@@ -1,0 +1,62 @@
+// speclm's CPU kernels (small_m*.cpp): what they share.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <type_traits>
+
+namespace speclm {
+
+// The sum of a + b's 16 lanes, reduced in one fixed tree (the same bits whatever else runs).
+inline float reduce(__m256 a, __m256 b = _mm256_setzero_ps()) {
+  const __m256 s = _mm256_add_ps(a, b);
+  __m128 v = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  v = _mm_add_ss(v, _mm_shuffle_ps(v, v, 1));
+  return _mm_cvtss_f32(v);
+}
+
+// The loop of every kernel on a GGUF layer's blocks: weight rows n in parallel, each read once for
+// groups of up to 4 activation rows; rows(R, m, n) computes y[m .. m + R - 1, n], R a compile-time
+// std::integral_constant so that the row loops unroll.
+template <class Rows>
+inline void for_row_groups(int64_t M, int64_t N, const Rows& rows) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t m = 0; m < M; m += 4) {
+        switch (std::min<int64_t>(4, M - m)) {
+          case 4: rows(std::integral_constant<int, 4>{}, m, n); break;
+          case 3: rows(std::integral_constant<int, 3>{}, m, n); break;
+          case 2: rows(std::integral_constant<int, 2>{}, m, n); break;
+          default: rows(std::integral_constant<int, 1>{}, m, n); break;
+        }
+      }
+    }
+  });
+}
+
+// The argument checks of every op on a GGUF layer's blocks (codes, scales, minimums).
+inline void check_blocks(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
+                  int64_t bits, int64_t K) {
+  TORCH_CHECK(bits == 4 || bits == 8, "small_m_blocks: bits is 4 (Q4_0 without a minimum, Q4_1 with one) or 8 (Q8_0)");
+  TORCH_CHECK(K % 32 == 0, "small_m_blocks: K must be a multiple of 32");
+  const int64_t N = codes.size(0), nb = K / 32;
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 2 &&
+              codes.size(1) == nb * (bits == 4 ? 16 : 32),
+              "small_m_blocks: codes are uint8 [N, K/32 * bytes per block] on the CPU");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.dim() == 2 && scale.size(0) == N && scale.size(1) == nb,
+              "small_m_blocks: scale is float32 [N, K/32]");
+  TORCH_CHECK(!minimum.has_value() || (bits == 4 && minimum->scalar_type() == at::kFloat &&
+                                       minimum->sizes() == scale.sizes()),
+              "small_m_blocks: minimum is float32 [N, K/32], for 4-bit blocks only");
+}
+
+// y [M, N] = x [M, K] times a GGUF layer's blocks: float activations (small_m.cpp) or 8-bit
+// activations and integer dot products (small_m_q8.cpp).
+at::Tensor small_m_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& minimum, int64_t bits);
+at::Tensor small_m_blocks_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                             const c10::optional<at::Tensor>& minimum, int64_t bits);
+
+}  // namespace speclm

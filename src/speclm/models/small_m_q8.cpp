@@ -1,0 +1,210 @@
+// speclm: a GGUF file's Q4_0/Q4_1/Q8_0 blocks times activations quantized to 8 bits, with the
+// integer dot products llama.cpp's CPU kernels use, for CPUs with AVX2.
+//
+// small_m.cpp's small_m_blocks decodes each block's codes to floats and multiplies float
+// activations: about 14 instructions per 32 weights and row. Here each activation row is first
+// quantized per block of 32 inputs as llama.cpp quantizes it for these weight types (q = x * 127 /
+// max|x| rounded to the nearest integer, ties to even; d = max|x| / 127 kept in half precision,
+// as llama.cpp stores it; for Q4_1 also s = d * sum(q), in half precision), then every block is
+// one integer dot product of 32 byte pairs (vpmaddubsw, vpmaddwd), converted to float and scaled
+// by d_w * d_x: about half the instructions. The result is what llama.cpp computes for these
+// blocks, up to the order of the float sums: not the float product of small_m_blocks.
+//
+// As everywhere in speclm's kernels, every output is summed in one fixed order (blocks in input
+// order into 8 lanes, then a fixed tree), so a row's result is the same alone or among others.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+#include <immintrin.h>
+
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+#include "small_m.h"
+
+namespace {
+
+inline float half_rounded(float v) { return static_cast<float>(c10::Half(v)); }
+
+// Q4_0: signed codes q - 8; Q4_1: unsigned codes q, plus the block's minimum times sum(x);
+// Q8_0: signed codes. load() gives the 32 codes of a block in input order.
+struct Q41 {
+  static constexpr int64_t kBytes = 16;
+  static constexpr bool kSigned = false;
+  static inline __m256i load(const uint8_t* p) {  // byte j: input j (low nibble), j + 16 (high)
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+  }
+};
+struct Q40 {
+  static constexpr int64_t kBytes = 16;
+  static constexpr bool kSigned = true;
+  static inline __m256i load(const uint8_t* p) { return _mm256_sub_epi8(Q41::load(p), _mm256_set1_epi8(8)); }
+};
+struct Q80 {
+  static constexpr int64_t kBytes = 32;
+  static constexpr bool kSigned = true;
+  static inline __m256i load(const uint8_t* p) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  }
+};
+
+// x [M, K] float -> q [M, K] int8, d and s [M, K / 32] (block scale, scale * sum of codes).
+void quantize_rows(const float* x, int64_t blocks, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t i = 0; i < blocks; ++i) {
+    const float* xb = x + i * 32;
+    __m256 v[4];
+    __m256 top = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      top = _mm256_max_ps(top, _mm256_andnot_ps(sign, v[j]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    const float amax = _mm_cvtss_f32(m);
+    const float scale = amax / 127.0f;
+    const __m256 inv = _mm256_set1_ps(amax != 0.0f ? 127.0f / amax : 0.0f);
+    __m256i n[4];
+    for (int j = 0; j < 4; ++j) n[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));  // nearest, ties to even
+    const __m256i total = _mm256_add_epi32(_mm256_add_epi32(n[0], n[1]), _mm256_add_epi32(n[2], n[3]));
+    // int32 x 32 -> int8 x 32 in input order (the packs interleave 128-bit lanes; the permute undoes it)
+    const __m256i packed = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3])), order);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + i * 32), packed);
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+    d[i] = half_rounded(scale);
+    s[i] = half_rounded(scale * static_cast<float>(_mm_cvtsi128_si32(t)));
+  }
+}
+
+// out[r * ldo] for R quantized rows (codes qx [R, K], scales dx, sums sx [R, nb]) and one weight row.
+template <class Block, int R>
+inline void q8_rows(const int8_t* qx, const float* dx, const float* sx, const uint8_t* codes,
+                    const float* scale, const float* minimum, int64_t nb, float* out, int64_t ldo) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  float offset[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) { acc[r] = _mm256_setzero_ps(); offset[r] = 0.0f; }
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i w = Block::load(codes + b * Block::kBytes);
+    const __m256i w_abs = Block::kSigned ? _mm256_sign_epi8(w, w) : w;  // vpmaddubsw's unsigned side
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qx + r * nb * 32 + b * 32));
+      if (Block::kSigned) x = _mm256_sign_epi8(x, w);  // |w| * (x * sign(w)) = w * x
+      const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(w_abs, x), ones);  // [8] int32
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pairs), _mm256_set1_ps(scale[b] * dx[r * nb + b]), acc[r]);
+      if (!Block::kSigned) offset[r] = std::fma(minimum[b], sx[r * nb + b], offset[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) out[r * ldo] = speclm::reduce(acc[r]) + offset[r];
+}
+
+template <class Block>
+void q8_mm(const int8_t* qx, const float* dx, const float* sx, const uint8_t* cp, const float* sp,
+           const float* mp, int64_t M, int64_t K, int64_t N, float* yp) {
+  const int64_t nb = K / 32, row_bytes = nb * Block::kBytes;
+  speclm::for_row_groups(M, N, [&](auto R, int64_t m, int64_t n) {
+    q8_rows<Block, decltype(R)::value>(qx + m * K, dx + m * nb, sx + m * nb, cp + n * row_bytes, sp + n * nb,
+                                       mp == nullptr ? nullptr : mp + n * nb, nb, yp + m * N + n, N);
+  });
+}
+
+}  // namespace
+
+at::Tensor speclm::small_m_blocks_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                                     const c10::optional<at::Tensor>& minimum, int64_t bits) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "small_m_blocks_q8: x is float32 [M, K] on the CPU");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / 32;
+  speclm::check_blocks(codes, scale, minimum, bits, K);
+  const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous();
+  const at::Tensor mc = minimum.has_value() ? minimum->contiguous() : at::Tensor();
+  // the quantized rows live in this thread's scratch (no allocation per call: ~200 calls a step)
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> dx, sx;
+  qx.resize(M * K);
+  dx.resize(M * nb);
+  sx.resize(M * nb);
+  quantize_rows(xc.data_ptr<float>(), M * nb, qx.data(), dx.data(), sx.data());
+  at::Tensor y = at::empty({M, N}, xc.options());
+  const int8_t* q = qx.data();
+  const float* d = dx.data();
+  const float* s = sx.data();
+  const float* mp = mc.defined() ? mc.data_ptr<float>() : nullptr;
+  if (bits == 4 && mp == nullptr)
+    q8_mm<Q40>(q, d, s, cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, M, K, N, y.data_ptr<float>());
+  else if (bits == 4)
+    q8_mm<Q41>(q, d, s, cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, M, K, N, y.data_ptr<float>());
+  else
+    q8_mm<Q80>(q, d, s, cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, M, K, N, y.data_ptr<float>());
+  return y;
+}
+
+// ---- block layers registered once ------------------------------------------------------------
+//
+// A compiled step hands every tensor it reads to TorchDynamo's guards at each call (about 2 us
+// each): the ~630 code, scale and minimum tensors of the default model's layers cost more than
+// the step's attention. A layer registered here is one integer for the graph instead.
+namespace {
+
+struct BlockLayer {
+  at::Tensor codes, scale;
+  c10::optional<at::Tensor> minimum;
+  int64_t bits;
+};
+
+std::mutex registry_mutex;
+std::unordered_map<int64_t, BlockLayer> registry;
+int64_t next_handle = 1;
+
+int64_t register_blocks(const at::Tensor& codes, const at::Tensor& scale,
+                        const c10::optional<at::Tensor>& minimum, int64_t bits) {
+  speclm::check_blocks(codes, scale, minimum, bits, scale.size(1) * 32);
+  BlockLayer layer{codes.contiguous(), scale.contiguous(),
+                   minimum.has_value() ? c10::optional<at::Tensor>(minimum->contiguous()) : c10::nullopt, bits};
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.emplace(next_handle, std::move(layer));
+  return next_handle++;
+}
+
+void release_blocks(int64_t handle) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.erase(handle);
+}
+
+at::Tensor registered_blocks(const at::Tensor& x, int64_t handle, bool q8) {
+  BlockLayer layer;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    const auto found = registry.find(handle);
+    TORCH_CHECK(found != registry.end(), "speclm: no block layer ", handle, " is registered");
+    layer = found->second;
+  }
+  return q8 ? speclm::small_m_blocks_q8(x, layer.codes, layer.scale, layer.minimum, layer.bits)
+            : speclm::small_m_blocks(x, layer.codes, layer.scale, layer.minimum, layer.bits);
+}
+
+}  // namespace
+
+
+TORCH_LIBRARY_FRAGMENT(speclm, m) {
+  m.def("small_m_blocks_q8(Tensor x, Tensor codes, Tensor scale, Tensor? minimum, int bits) -> Tensor");
+  m.def("register_blocks(Tensor codes, Tensor scale, Tensor? minimum, int bits) -> int");
+  m.def("release_blocks(int handle) -> ()", &release_blocks);
+  m.def("registered_blocks(Tensor x, int handle, bool q8) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(speclm, CPU, m) {
+  m.impl("small_m_blocks_q8", &speclm::small_m_blocks_q8);
+  m.impl("register_blocks", &register_blocks);
+  m.impl("registered_blocks", &registered_blocks);
+}
