@@ -16,7 +16,7 @@ from speclm.drafters.ngram import NgramDrafter
 from speclm.engine import generate_tokens
 from speclm.models import small_m
 from speclm.models.attention import KERNEL_MAX_QUERIES, _kernel_applies
-from speclm.models.small_m import MAX_ROWS, SmallMLinear, use_small_m
+from speclm.models.small_m import MAX_ROWS, BlockLinear, SmallMLinear, use_small_m
 from speclm.sampling import SamplingParams
 
 from .conftest import backend, tiny_model
@@ -210,3 +210,34 @@ def test_int8_activation_blocks_compute_the_integer_dot_products_and_a_row_is_th
     w = cpu_kernel.dequantize_blocks(codes, scale, minimum, bits)
     exact = x.double() @ w.double().t()
     assert (y.double() - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_a_block_layer_s_registration_follows_the_layer(cpu_kernel):
+    """A layer's blocks are registered once (one integer for the graph): a copy, an unpickled
+    layer and a moved layer compute the same with their own handles, and a freed layer's blocks
+    are released."""
+    import copy
+    import gc
+    import io
+
+    gen = torch.Generator().manual_seed(7)
+    codes = torch.randint(0, 256, (40, 3 * 16), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(40, 3, generator=gen)
+    layer = BlockLinear(codes, scale, -scale, 4, None)
+    x = torch.randn(3, 96, generator=gen)
+    before = set(small_m._block_rows)
+    with torch.no_grad():
+        y = layer(x)
+        first = layer.handle
+        layer.to(torch.float32)  # buffers replaced: registered anew, the old handle released
+        assert layer.handle != first and first not in small_m._block_rows
+        twin = copy.deepcopy(layer)
+        buffer = io.BytesIO()
+        torch.save(layer, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert len({layer.handle, twin.handle, loaded.handle}) == 3
+        assert all(torch.equal(m(x), y) for m in (layer, twin, loaded))
+    del layer, twin, loaded
+    gc.collect()
+    assert set(small_m._block_rows) == before - {first}

@@ -193,11 +193,22 @@ class BlockLinear(nn.Module):
         self._register()
 
     def _register(self) -> None:
-        """Register the current buffers with the kernel; the handle is released with the layer."""
+        """Register the current buffers with the kernel (releasing what was registered before);
+        the handle is released with the layer."""
+        release = self.__dict__.get("_release")
+        if release is not None:
+            release()
         handle = torch.ops.speclm.register_blocks(self.codes, self.scale, self.minimum, self.bits)
         _block_rows[handle] = self.out_features
         self.handle = handle
-        weakref.finalize(self, _release_blocks, handle)
+        self._release = weakref.finalize(self, _release_blocks, handle)
+
+    def __getstate__(self) -> dict:  # the handle belongs to this object, not to a copy
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        state = dict(state)
+        state.pop("_release", None)
+        state.pop("handle", None)
+        return state
 
     def __setstate__(self, state: dict) -> None:  # a deep copy or an unpickled layer: its own handle
         super().__setstate__(state)
