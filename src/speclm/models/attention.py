@@ -65,7 +65,8 @@ def gqa_sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
 def _kernel_applies(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     mask: torch.Tensor | None, dropout: float, kwargs: dict) -> bool:
     """Whether speclm's attention kernel computes exactly this call: float32 on the CPU, a few
-    query rows, a plain additive mask (or none), no dropout, biases, soft-capping or sinks."""
+    query rows, an additive or boolean mask (or none for one query), no dropout, biases,
+    soft-capping or sinks."""
     if (query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
             or value.dtype != torch.float32 or query.shape[2] > KERNEL_MAX_QUERIES
             or key.shape != value.shape or query.shape[-1] != key.shape[-1]
