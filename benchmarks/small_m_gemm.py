@@ -11,13 +11,16 @@ default, which calls ATen's product; and ``max_autotune`` with inductor's C++ GE
 where it applies), medians of 15 after 3 warm-up runs, and prints the cost per M against M = 1.
 
     python benchmarks/small_m_gemm.py [--modes aten,speclm,inductor,autotune] [--rows 1,2,4,8,16]
+    python benchmarks/small_m_gemm.py --modes q4-q8 --rows 1,4 --hot      # bound by what?
 
 ``speclm`` is speclm's own small-M kernel (models/small_m.py; beyond its 10 rows it runs ATen);
 ``kernel`` calls that kernel at every M (where its row limit should sit). On the same shapes as
 GGUF Q4_1 blocks (random codes, 57 MB): ``q4-float`` (``speclm::small_m_blocks``, float
 activations), ``q4-q8`` (``speclm::small_m_blocks_q8``, 8-bit activations and integer dot
 products, llama.cpp's arithmetic) and ``q4-blas`` (the blocks decoded for the call, then ATen:
-what a long prefill runs).
+what a long prefill runs). ``--hot`` runs the q4 modes on one pair of layers 30 times instead of
+30 pairs (1.3 MB: the weights stay in the caches): a mode as fast hot as cold is bound by its
+instructions, not by memory bandwidth.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class Projections(nn.Module):
 class BlockProjections(nn.Module):
     """The same projections as GGUF Q4_1 blocks (random codes, scales and minimums)."""
 
-    def __init__(self, mode: str, layers: int = 30, hidden: int = 576, inner: int = 1536) -> None:
+    def __init__(self, mode: str, layers: int = 30, hidden: int = 576, inner: int = 1536,
+                 hot: bool = False) -> None:
         super().__init__()
         self.mode = mode
 
@@ -56,7 +60,10 @@ class BlockProjections(nn.Module):
             scale = torch.rand(n, k // 32) * 0.004
             return codes, scale, -7.5 * scale  # weights centred on zero, as a trained layer's are
 
-        self.pairs = [(blocks(inner, hidden), blocks(hidden, inner)) for _ in range(layers)]
+        if hot:  # one pair, read 30 times: in cache after the first
+            self.pairs = [(blocks(inner, hidden), blocks(hidden, inner))] * layers
+        else:
+            self.pairs = [(blocks(inner, hidden), blocks(hidden, inner)) for _ in range(layers)]
 
     def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
         ops = torch.ops.speclm
@@ -97,7 +104,7 @@ def median_ms(fn, x: torch.Tensor, reps: int = 15) -> float:
     return 1000 * statistics.median(times)
 
 
-def build(model: nn.Module, mode: str):
+def build(model: nn.Module, mode: str, hot: bool = False):
     torch._dynamo.reset()
     if mode == "aten":
         return model
@@ -115,7 +122,7 @@ def build(model: nn.Module, mode: str):
 
         if not kernel_available():
             raise SystemExit("speclm's kernel is not available here (AVX2, g++ and ninja needed)")
-        return KernelProjections(model) if mode == "kernel" else BlockProjections(mode)
+        return KernelProjections(model) if mode == "kernel" else BlockProjections(mode, hot=hot)
     if mode == "inductor":
         return torch.compile(model, dynamic=False)
     if mode == "autotune":
@@ -129,6 +136,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--modes", default="aten,inductor,autotune")
     ap.add_argument("--rows", default="1,2,4,8,16")
+    ap.add_argument("--hot", action="store_true",
+                    help="q4 modes: one pair of layers read 30 times (weights in cache), not 30 pairs")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = Projections().eval()
@@ -141,7 +150,7 @@ def main() -> None:
         for mode in args.modes.split(","):
             for m in rows:  # a fresh compile per shape: each graph is static
                 x = torch.randn(m, 576) * 0.1
-                table.setdefault(mode, {})[m] = median_ms(build(model, mode), x)
+                table.setdefault(mode, {})[m] = median_ms(build(model, mode, args.hot), x)
     for m in rows:
         cells = [f"{table[mode][m]:.1f} | {table[mode][m] / table[mode][rows[0]]:.2f}x" for mode in table]
         print(f"| {m} | " + " | ".join(cells) + " |")

@@ -7,11 +7,14 @@ not, and this script measures it for the model at hand (median of ``--reps`` run
     python benchmarks/step_cost.py --widths 1 2 4 8 11 16 --context 200
     python benchmarks/step_cost.py --compile --quantize gguf      # the compiled path
     python benchmarks/step_cost.py --compile --quantize gguf --activations q8,float
+    python benchmarks/step_cost.py --compile --quantize gguf --groups on,off
 
 ``SPECLM_CPU_KERNEL=0`` runs float32 layers on torch's own products instead of speclm's small-M
 kernels (models/small_m.py), for a before/after on the same machine; ``--attention sdpa`` keeps
 those for the linear layers but runs attention on PyTorch's SDPA; ``SPECLM_GGUF_ACTIVATIONS=float``
-runs a GGUF's blocks on float activations instead of llama.cpp's 8-bit ones.
+runs a GGUF's blocks on float activations instead of llama.cpp's 8-bit ones; ``--groups off``
+compiles one kernel call per GGUF layer instead of one per set of layers reading the same input
+(models/block_groups.py).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 
 import torch
 
-from speclm.models import load_model
+from speclm.models import block_groups, load_model
 
 
 def main() -> None:
@@ -40,20 +43,29 @@ def main() -> None:
     ap.add_argument("--activations", default=None,
                     help="with --quantize gguf: q8, float or both (q8,float): one model each, timed "
                          "interleaved in this process")
+    ap.add_argument("--groups", default=None,
+                    help="with --compile --quantize gguf: on, off or both (on,off): GGUF layers reading "
+                         "the same input in one kernel call or one call each; one model each, interleaved")
     args = ap.parse_args()
+    if args.activations and args.groups:
+        ap.error("--activations and --groups each make the variants: give one of them")
     if args.attention == "sdpa":
         from speclm.models import attention
 
         attention.KERNEL_MAX_QUERIES = 0
     variants = {}
-    for activations in (args.activations.split(",") if args.activations else [None]):
-        if activations:
-            os.environ["SPECLM_GGUF_ACTIVATIONS"] = activations  # read when the layers are built
+    settings = ([("activations", a) for a in args.activations.split(",")] if args.activations else
+                [("groups", g) for g in args.groups.split(",")] if args.groups else [(None, None)])
+    for kind, value in settings:
+        if kind == "activations":
+            os.environ["SPECLM_GGUF_ACTIVATIONS"] = value  # read when the layers are built
+        if kind == "groups":
+            block_groups.GROUPING = value == "on"  # read when the graphs compile (warmup)
         lm = load_model(args.model, backend="torch", compile=args.compile, quantize=args.quantize,
                         dtype=args.dtype).backend
         if hasattr(lm, "warmup"):
             lm.warmup(max(args.widths) - 1)
-        variants[activations or lm.backend_name] = lm
+        variants[f"{kind} {value}" if kind else lm.backend_name] = lm
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, next(iter(variants.values())).vocab_size, (args.context,), generator=gen)
     for lm in variants.values():

@@ -241,3 +241,90 @@ def test_a_block_layer_s_registration_follows_the_layer(cpu_kernel):
     del layer, twin, loaded
     gc.collect()
     assert set(small_m._block_rows) == before - {first}
+
+
+def _block_layers(gen: torch.Generator, k: int) -> list[BlockLinear]:
+    """A Q4_0, a Q4_1 and a Q8_0 layer of input size k, of different output sizes."""
+    layers = []
+    for n, bits, with_minimum in ((40, 4, False), (24, 4, True), (56, 8, False)):
+        codes = torch.randint(0, 256, (n, k // 32 * (16 if bits == 4 else 32)), generator=gen, dtype=torch.uint8)
+        scale = torch.rand(n, k // 32, generator=gen) * 0.02
+        layers.append(BlockLinear(codes, scale, -scale * 7.5 if with_minimum else None, bits, None))
+    return layers
+
+
+def test_grouped_block_layers_give_each_layer_s_own_bits(cpu_kernel):
+    """One call for layers reading the same input (models/block_groups.py) equals one call
+    each, bit for bit, for every block type and row count; a layer of another input size is
+    refused."""
+    gen = torch.Generator().manual_seed(11)
+    layers = _block_layers(gen, 96)
+    handles = [layer.handle for layer in layers]
+    for m in (1, 3, 4, 9, 32):
+        x = torch.randn(m, 96, generator=gen)
+        grouped = cpu_kernel.registered_blocks_group(x, handles)
+        assert [tuple(y.shape) for y in grouped] == [(m, layer.out_features) for layer in layers]
+        for y, handle in zip(grouped, handles):
+            assert torch.equal(y, cpu_kernel.registered_blocks(x, handle, True))
+    other = _block_layers(gen, 64)[0]
+    with pytest.raises(RuntimeError, match="input size"):
+        cpu_kernel.registered_blocks_group(torch.randn(1, 96), [handles[0], other.handle])
+
+
+def test_the_graph_pass_groups_calls_on_one_input_and_keeps_the_results(cpu_kernel):
+    """The compiled step's pass: calls on the same input (each through its own reshape, as a
+    model's projections make them) become one grouped call; a call on another input and a
+    float-activation call stay as they are; the rewritten graph computes the same bits."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from speclm.models.block_groups import group_block_calls
+
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = _block_layers(gen, 96)
+    down = _block_layers(gen, 96)[0]  # fed another input
+
+    def block(x, layer, q8=True):
+        return torch.ops.speclm.registered_blocks(x.reshape(-1, x.shape[-1]), layer.handle, q8)
+
+    def layer_step(x):  # [1, 2, 96]
+        a, b, c = block(x, q), block(x, k), block(x, v)
+        h = torch.cat([a, b, c[:, :32]], -1)  # [2, 40 + 24 + 32]: another input
+        return a.sum() + b.sum() + c.sum(), block(h, down), block(x, q, q8=False)
+
+    x = torch.randn(1, 2, 96, generator=gen)
+    gm = make_fx(layer_step)(x)
+    single = torch.ops.speclm.registered_blocks.default
+    assert sum(n.target is single for n in gm.graph.nodes) == 5
+    assert group_block_calls(gm.graph) == 2
+    gm.graph.lint()
+    gm.recompile()
+    grouped = [n for n in gm.graph.nodes if n.target is torch.ops.speclm.registered_blocks_group.default]
+    assert len(grouped) == 1 and sum(n.target is single for n in gm.graph.nodes) == 2
+    for got, want in zip(gm(x), layer_step(x)):
+        assert torch.equal(got, want)
+
+
+def test_a_compiled_step_groups_the_calls_and_computes_the_same_bits(cpu_kernel, monkeypatch):
+    """Through inductor as the compiled path runs it (models/compiled.py hands it the pass): the
+    three projections of one input become one call, and the compiled result equals eager's."""
+    from speclm.models import block_groups, compiled
+
+    removed = []
+    group = block_groups.group_block_calls
+    monkeypatch.setattr(block_groups, "group_block_calls", lambda graph: removed.append(group(graph)))
+
+    class Projections(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = _block_layers(torch.Generator().manual_seed(13), 96)
+
+        def forward(self, x):  # [1, T, 96]
+            return torch.cat([self.q(x), self.k(x), self.v(x)], -1)
+
+    module = Projections()
+    x = torch.randn(1, 3, 96)
+    options = dict(compiled.compile_options("inductor", None, False), fx_graph_cache=False)  # run the pass
+    with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
+        got = torch.compile(module, dynamic=False, options=options)(x)
+        assert torch.equal(got, module(x))
+    assert removed == [2]

@@ -45,6 +45,7 @@ from ..errors import SpeclmError
 from ..tree import TreeMeta
 from .attention import MASKED_4D
 from .base import ForwardOutput, spread_hidden
+from .block_groups import GroupBlockCalls
 from .dtypes import cast_keeping_rotary
 from .hf_kwargs import cache_kwarg
 from .kv_cache import check_forward
@@ -79,6 +80,21 @@ def _raise_dynamo_limits(graphs: int) -> None:
             setattr(dynamo_config, name, want)
 
 
+def compile_options(backend: str, mode: str | None, freeze: bool) -> dict | None:
+    """Inductor's options for a compiled step (torch.compile takes a mode or options, not both)."""
+    if backend != "inductor" or mode is not None:
+        return None
+    # one kernel call for the GGUF block layers that read the same input (block_groups.py)
+    options: dict = {"post_grad_custom_pre_pass": GroupBlockCalls()}
+    if freeze:
+        # freezing folds the weights into the graph as constants, which lets inductor prepack
+        # them for oneDNN (AMX): ~1.4x faster bfloat16 matmuls on CPU, no gain in float32. The
+        # weights must not change after compiling (inference only), and a frozen graph skips
+        # inductor's on-disk cache, so every process compiles it again.
+        options["freezing"] = True
+    return options
+
+
 class _Step:
     """The compiled forward of one model, shared by a backend, its forks and its batched rows
     (models/compiled_rows.py): one graph per (rows, tokens, capacity) seen."""
@@ -100,12 +116,8 @@ class _Step:
             return logits, tuple(out.hidden_states[i] for i in layers)  # [B, T, H] each
 
         self.eager = step
-        # freezing folds the weights into the graph as constants, which lets inductor prepack
-        # them for oneDNN (AMX): ~1.4x faster bfloat16 matmuls on CPU, no gain in float32. The
-        # weights must not change after compiling (inference only), and a frozen graph skips
-        # inductor's on-disk cache, so every process compiles it again.
-        options = {"freezing": True} if freeze and backend == "inductor" and mode is None else None
-        self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend, options=options)
+        self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend,
+                                      options=compile_options(backend, mode, freeze))
         self.seen: set[tuple] = set()  # (tokens, capacity) or (rows, tokens, capacity) compiled so far
         self.seen_hidden: set[tuple] = set()  # (key, layers): graphs that also return hidden states
         self.skip_guards = True

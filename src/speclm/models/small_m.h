@@ -17,23 +17,27 @@ inline float reduce(__m256 a, __m256 b = _mm256_setzero_ps()) {
   return _mm_cvtss_f32(v);
 }
 
-// The loop of every kernel on a GGUF layer's blocks: weight rows n in parallel, each read once for
+// The loop of every kernel on a GGUF layer's blocks: weight rows n0 .. n1 - 1, each read once for
 // groups of up to 4 activation rows; rows(R, m, n) computes y[m .. m + R - 1, n], R a compile-time
 // std::integral_constant so that the row loops unroll.
 template <class Rows>
-inline void for_row_groups(int64_t M, int64_t N, const Rows& rows) {
-  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t m = 0; m < M; m += 4) {
-        switch (std::min<int64_t>(4, M - m)) {
-          case 4: rows(std::integral_constant<int, 4>{}, m, n); break;
-          case 3: rows(std::integral_constant<int, 3>{}, m, n); break;
-          case 2: rows(std::integral_constant<int, 2>{}, m, n); break;
-          default: rows(std::integral_constant<int, 1>{}, m, n); break;
-        }
+inline void row_groups(int64_t M, int64_t n0, int64_t n1, const Rows& rows) {
+  for (int64_t n = n0; n < n1; ++n) {
+    for (int64_t m = 0; m < M; m += 4) {
+      switch (std::min<int64_t>(4, M - m)) {
+        case 4: rows(std::integral_constant<int, 4>{}, m, n); break;
+        case 3: rows(std::integral_constant<int, 3>{}, m, n); break;
+        case 2: rows(std::integral_constant<int, 2>{}, m, n); break;
+        default: rows(std::integral_constant<int, 1>{}, m, n); break;
       }
     }
-  });
+  }
+}
+
+// row_groups over all N weight rows, split between at::parallel_for's threads.
+template <class Rows>
+inline void for_row_groups(int64_t M, int64_t N, const Rows& rows) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { row_groups(M, n0, n1, rows); });
 }
 
 // The argument checks of every op on a GGUF layer's blocks (codes, scales, minimums).

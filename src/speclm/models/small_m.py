@@ -116,9 +116,13 @@ def _register_fake() -> None:
     def fake_registered(x: torch.Tensor, handle: int, q8: bool) -> torch.Tensor:
         return x.new_empty(x.shape[0], _block_rows[handle])
 
+    def fake_group(x: torch.Tensor, handles: list[int]) -> list[torch.Tensor]:
+        return [x.new_empty(x.shape[0], _block_rows[h]) for h in handles]
+
     for name, function in (("speclm::small_m_mm", fake), ("speclm::small_m_blocks", fake_blocks),
                            ("speclm::small_m_blocks_q8", fake_blocks),
                            ("speclm::registered_blocks", fake_registered),
+                           ("speclm::registered_blocks_group", fake_group),
                            ("speclm::dequantize_blocks", fake_dequantize),
                            ("speclm::small_m_attention", fake_attention)):
         try:

@@ -109,44 +109,79 @@ inline void q8_rows(const int8_t* qx, const float* dx, const float* sx, const ui
   for (int r = 0; r < R; ++r) out[r * ldo] = speclm::reduce(acc[r]) + offset[r];
 }
 
+// A layer's blocks as the kernels read them; minimum is null for Q4_0 and Q8_0.
+struct Blocks {
+  const uint8_t* codes;
+  const float* scale;
+  const float* minimum;
+  int64_t bits, N;
+};
+
+// Activation rows quantized for the blocks: codes q [M, K], scales d and sums s [M, K / 32], in this
+// thread's scratch (no allocation per call: ~200 calls a step), valid until its next quantize.
+struct Quantized {
+  const int8_t* q;
+  const float* d;
+  const float* s;
+  int64_t M, K;
+};
+
+Quantized quantize(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
+  thread_local std::vector<int8_t> qx;
+  thread_local std::vector<float> dx, sx;
+  qx.resize(M * K);
+  dx.resize(M * nb);
+  sx.resize(M * nb);
+  quantize_rows(x.data_ptr<float>(), M * nb, qx.data(), dx.data(), sx.data());
+  return {qx.data(), dx.data(), sx.data(), M, K};
+}
+
 template <class Block>
-void q8_mm(const int8_t* qx, const float* dx, const float* sx, const uint8_t* cp, const float* sp,
-           const float* mp, int64_t M, int64_t K, int64_t N, float* yp) {
-  const int64_t nb = K / 32, row_bytes = nb * Block::kBytes;
-  speclm::for_row_groups(M, N, [&](auto R, int64_t m, int64_t n) {
-    q8_rows<Block, decltype(R)::value>(qx + m * K, dx + m * nb, sx + m * nb, cp + n * row_bytes, sp + n * nb,
-                                       mp == nullptr ? nullptr : mp + n * nb, nb, yp + m * N + n, N);
+void q8_range(const Quantized& x, const Blocks& w, int64_t n0, int64_t n1, float* y) {
+  const int64_t nb = x.K / 32, row_bytes = nb * Block::kBytes;
+  speclm::row_groups(x.M, n0, n1, [&](auto R, int64_t m, int64_t n) {
+    q8_rows<Block, decltype(R)::value>(x.q + m * x.K, x.d + m * nb, x.s + m * nb, w.codes + n * row_bytes,
+                                       w.scale + n * nb, w.minimum == nullptr ? nullptr : w.minimum + n * nb,
+                                       nb, y + m * w.N + n, w.N);
   });
+}
+
+// y [M, N] columns n0 .. n1 - 1 = x times the weight rows n0 .. n1 - 1 of w.
+void q8_columns(const Quantized& x, const Blocks& w, int64_t n0, int64_t n1, float* y) {
+  if (w.bits == 4 && w.minimum == nullptr)
+    q8_range<Q40>(x, w, n0, n1, y);
+  else if (w.bits == 4)
+    q8_range<Q41>(x, w, n0, n1, y);
+  else
+    q8_range<Q80>(x, w, n0, n1, y);
+}
+
+Blocks blocks_of(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
+                 int64_t bits) {
+  return {codes.data_ptr<uint8_t>(), scale.data_ptr<float>(),
+          minimum.has_value() ? minimum->data_ptr<float>() : nullptr, bits, codes.size(0)};
+}
+
+void check_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
+              "small_m_blocks_q8: x is float32 [M, K] on the CPU");
 }
 
 }  // namespace
 
 at::Tensor speclm::small_m_blocks_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                      const c10::optional<at::Tensor>& minimum, int64_t bits) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
-              "small_m_blocks_q8: x is float32 [M, K] on the CPU");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), nb = K / 32;
-  speclm::check_blocks(codes, scale, minimum, bits, K);
+  check_rows(x);
+  speclm::check_blocks(codes, scale, minimum, bits, x.size(1));
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous();
-  const at::Tensor mc = minimum.has_value() ? minimum->contiguous() : at::Tensor();
-  // the quantized rows live in this thread's scratch (no allocation per call: ~200 calls a step)
-  thread_local std::vector<int8_t> qx;
-  thread_local std::vector<float> dx, sx;
-  qx.resize(M * K);
-  dx.resize(M * nb);
-  sx.resize(M * nb);
-  quantize_rows(xc.data_ptr<float>(), M * nb, qx.data(), dx.data(), sx.data());
-  at::Tensor y = at::empty({M, N}, xc.options());
-  const int8_t* q = qx.data();
-  const float* d = dx.data();
-  const float* s = sx.data();
-  const float* mp = mc.defined() ? mc.data_ptr<float>() : nullptr;
-  if (bits == 4 && mp == nullptr)
-    q8_mm<Q40>(q, d, s, cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, M, K, N, y.data_ptr<float>());
-  else if (bits == 4)
-    q8_mm<Q41>(q, d, s, cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, M, K, N, y.data_ptr<float>());
-  else
-    q8_mm<Q80>(q, d, s, cc.data_ptr<uint8_t>(), sc.data_ptr<float>(), mp, M, K, N, y.data_ptr<float>());
+  const c10::optional<at::Tensor> mc =
+      minimum.has_value() ? c10::optional<at::Tensor>(minimum->contiguous()) : c10::nullopt;
+  const Quantized xq = quantize(xc);
+  const Blocks w = blocks_of(cc, sc, mc, bits);
+  at::Tensor y = at::empty({xq.M, w.N}, xc.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) { q8_columns(xq, w, n0, n1, yp); });
   return y;
 }
 
@@ -194,6 +229,41 @@ at::Tensor registered_blocks(const at::Tensor& x, int64_t handle, bool q8) {
             : speclm::small_m_blocks(x, layer.codes, layer.scale, layer.minimum, layer.bits);
 }
 
+// The layers of `handles` (all 8-bit-activation layers reading the same input, such as a decoder
+// layer's query, key and value projections) in one call: x quantized once, all their weight rows in
+// one parallel loop. Each output has the bits of registered_blocks(x, handle, true).
+std::vector<at::Tensor> registered_blocks_group(const at::Tensor& x, at::IntArrayRef handles) {
+  check_rows(x);
+  std::vector<BlockLayer> layers;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex);
+    for (const int64_t handle : handles) {
+      const auto found = registry.find(handle);
+      TORCH_CHECK(found != registry.end(), "speclm: no block layer ", handle, " is registered");
+      layers.push_back(found->second);
+    }
+  }
+  const at::Tensor xc = x.contiguous();
+  std::vector<Blocks> blocks;
+  std::vector<at::Tensor> out;
+  std::vector<int64_t> start{0};  // layer i's weight rows are start[i] .. start[i + 1] - 1 of the loop
+  for (const BlockLayer& layer : layers) {
+    TORCH_CHECK(layer.scale.size(1) * 32 == xc.size(1), "registered_blocks_group: a layer's input size is ",
+                layer.scale.size(1) * 32, ", x has ", xc.size(1));
+    blocks.push_back(blocks_of(layer.codes, layer.scale, layer.minimum, layer.bits));
+    out.push_back(at::empty({xc.size(0), blocks.back().N}, xc.options()));
+    start.push_back(start.back() + blocks.back().N);
+  }
+  const Quantized xq = quantize(xc);
+  at::parallel_for(0, start.back(), 16, [&](int64_t n0, int64_t n1) {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      const int64_t lo = std::max(n0, start[i]), hi = std::min(n1, start[i + 1]);
+      if (lo < hi) q8_columns(xq, blocks[i], lo - start[i], hi - start[i], out[i].data_ptr<float>());
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 
@@ -202,9 +272,11 @@ TORCH_LIBRARY_FRAGMENT(speclm, m) {
   m.def("register_blocks(Tensor codes, Tensor scale, Tensor? minimum, int bits) -> int");
   m.def("release_blocks(int handle) -> ()", &release_blocks);
   m.def("registered_blocks(Tensor x, int handle, bool q8) -> Tensor");
+  m.def("registered_blocks_group(Tensor x, int[] handles) -> Tensor[]");
 }
 TORCH_LIBRARY_IMPL(speclm, CPU, m) {
   m.impl("small_m_blocks_q8", &speclm::small_m_blocks_q8);
   m.impl("register_blocks", &register_blocks);
   m.impl("registered_blocks", &registered_blocks);
+  m.impl("registered_blocks_group", &registered_blocks_group);
 }
