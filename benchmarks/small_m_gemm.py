@@ -60,10 +60,8 @@ class BlockProjections(nn.Module):
             scale = torch.rand(n, k // 32) * 0.004
             return codes, scale, -7.5 * scale  # weights centred on zero, as a trained layer's are
 
-        if hot:  # one pair, read 30 times: in cache after the first
-            self.pairs = [(blocks(inner, hidden), blocks(hidden, inner))] * layers
-        else:
-            self.pairs = [(blocks(inner, hidden), blocks(hidden, inner)) for _ in range(layers)]
+        distinct = [(blocks(inner, hidden), blocks(hidden, inner)) for _ in range(1 if hot else layers)]
+        self.pairs = distinct * (layers if hot else 1)  # hot: one pair, in cache after its first read
 
     def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
         ops = torch.ops.speclm

@@ -49,6 +49,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.activations and args.groups:
         ap.error("--activations and --groups each make the variants: give one of them")
+    if args.groups and not set(args.groups.split(",")) <= {"on", "off"}:
+        ap.error(f"--groups takes on, off or on,off, got {args.groups!r}")
     if args.attention == "sdpa":
         from speclm.models import attention
 

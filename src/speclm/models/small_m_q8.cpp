@@ -163,16 +163,16 @@ Blocks blocks_of(const at::Tensor& codes, const at::Tensor& scale, const c10::op
           minimum.has_value() ? minimum->data_ptr<float>() : nullptr, bits, codes.size(0)};
 }
 
-void check_rows(const at::Tensor& x) {
+void check_rows(const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2,
-              "small_m_blocks_q8: x is float32 [M, K] on the CPU");
+              op, ": x is float32 [M, K] on the CPU");
 }
 
 }  // namespace
 
 at::Tensor speclm::small_m_blocks_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                                      const c10::optional<at::Tensor>& minimum, int64_t bits) {
-  check_rows(x);
+  check_rows(x, "small_m_blocks_q8");
   speclm::check_blocks(codes, scale, minimum, bits, x.size(1));
   const at::Tensor xc = x.contiguous(), cc = codes.contiguous(), sc = scale.contiguous();
   const c10::optional<at::Tensor> mc =
@@ -233,7 +233,7 @@ at::Tensor registered_blocks(const at::Tensor& x, int64_t handle, bool q8) {
 // layer's query, key and value projections) in one call: x quantized once, all their weight rows in
 // one parallel loop. Each output has the bits of registered_blocks(x, handle, true).
 std::vector<at::Tensor> registered_blocks_group(const at::Tensor& x, at::IntArrayRef handles) {
-  check_rows(x);
+  check_rows(x, "registered_blocks_group");
   std::vector<BlockLayer> layers;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
@@ -246,19 +246,21 @@ std::vector<at::Tensor> registered_blocks_group(const at::Tensor& x, at::IntArra
   const at::Tensor xc = x.contiguous();
   std::vector<Blocks> blocks;
   std::vector<at::Tensor> out;
+  std::vector<float*> y;  // out[i]'s data
   std::vector<int64_t> start{0};  // layer i's weight rows are start[i] .. start[i + 1] - 1 of the loop
   for (const BlockLayer& layer : layers) {
     TORCH_CHECK(layer.scale.size(1) * 32 == xc.size(1), "registered_blocks_group: a layer's input size is ",
                 layer.scale.size(1) * 32, ", x has ", xc.size(1));
     blocks.push_back(blocks_of(layer.codes, layer.scale, layer.minimum, layer.bits));
     out.push_back(at::empty({xc.size(0), blocks.back().N}, xc.options()));
+    y.push_back(out.back().data_ptr<float>());
     start.push_back(start.back() + blocks.back().N);
   }
   const Quantized xq = quantize(xc);
   at::parallel_for(0, start.back(), 16, [&](int64_t n0, int64_t n1) {
     for (size_t i = 0; i < blocks.size(); ++i) {
       const int64_t lo = std::max(n0, start[i]), hi = std::min(n1, start[i + 1]);
-      if (lo < hi) q8_columns(xq, blocks[i], lo - start[i], hi - start[i], out[i].data_ptr<float>());
+      if (lo < hi) q8_columns(xq, blocks[i], lo - start[i], hi - start[i], y[i]);
     }
   });
   return out;
