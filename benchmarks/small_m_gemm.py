@@ -61,19 +61,23 @@ class BlockProjections(nn.Module):
             return codes, scale, -7.5 * scale  # weights centred on zero, as a trained layer's are
 
         distinct = [(blocks(inner, hidden), blocks(hidden, inner)) for _ in range(1 if hot else layers)]
+        if mode == "q4-q8":  # registered layers, as a model runs them (repacked for AVX-512 VNNI / AMX)
+            from speclm.models.small_m import BlockLinear
+
+            distinct = [tuple(BlockLinear(*blocks_, 4, None, "q8") for blocks_ in pair) for pair in distinct]
         self.pairs = distinct * (layers if hot else 1)  # hot: one pair, in cache after its first read
 
-    def linear(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor):
+    def linear(self, x: torch.Tensor, layer) -> torch.Tensor:
         ops = torch.ops.speclm
-        if self.mode == "q4-float":
-            return ops.small_m_blocks(x, codes, scale, minimum, 4)
         if self.mode == "q4-q8":
-            return ops.small_m_blocks_q8(x, codes, scale, minimum, 4)
-        return x @ ops.dequantize_blocks(codes, scale, minimum, 4).t()  # q4-blas
+            return layer(x)
+        if self.mode == "q4-float":
+            return ops.small_m_blocks(x, *layer, 4)
+        return x @ ops.dequantize_blocks(*layer, 4).t()  # q4-blas
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for up, down in self.pairs:
-            x = x + self.linear(torch.relu(self.linear(x, *up)), *down)
+            x = x + self.linear(torch.relu(self.linear(x, up)), down)
         return x
 
 

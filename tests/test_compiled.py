@@ -228,6 +228,20 @@ def test_bfloat16_step_keeps_float32_logits(target32):
     assert fast_dtype("cpu") in (torch.bfloat16, torch.float32)
 
 
+def test_auto_dtype_runs_a_ggufs_blocks_in_float32_where_the_block_kernel_runs(monkeypatch):
+    """dtype="auto" with quantize="gguf" keeps float32 where speclm's block kernel runs (bfloat16
+    would put the file's blocks on int4 kernels, not llama.cpp's arithmetic), else the fast dtype."""
+    from speclm.models import small_m
+    from speclm.models.compiled import auto_dtype
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(small_m, "kernel_available", lambda: True)
+    assert auto_dtype(cpu, "gguf") == torch.float32
+    assert auto_dtype(cpu, "int4") == auto_dtype(cpu, None) == fast_dtype(cpu)
+    monkeypatch.setattr(small_m, "kernel_available", lambda: False)
+    assert auto_dtype(cpu, "gguf") == fast_dtype(cpu)
+
+
 def test_clear_errors(target64, target32):
     with pytest.raises(SpeclmError, match="unknown quantization"):
         make_compiled(target32, EOS, quantize="int3")

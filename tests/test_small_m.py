@@ -206,6 +206,18 @@ def test_int8_activation_blocks_compute_the_integer_dot_products_and_a_row_is_th
     torch.testing.assert_close(y.double(), _q8_reference(x, codes, scale, minimum, bits), rtol=1e-5, atol=1e-5)
     for m in range(1, MAX_ROWS + 1):
         assert torch.equal(cpu_kernel.small_m_blocks_q8(x[m - 1 : m], codes, scale, minimum, bits), y[m - 1 : m])
+    # a registered layer (on AMX tiles where this CPU has them: up to 16 rows a tile, so 20 rows
+    # take two) computes the same integer products; its rows too are the same alone or among others
+    handle = cpu_kernel.register_blocks(codes, scale, minimum, bits)
+    try:
+        x20 = torch.cat([x, x[:4] * 3.0])
+        y20 = cpu_kernel.registered_blocks(x20, handle, True)
+        torch.testing.assert_close(y20.double(), _q8_reference(x20, codes, scale, minimum, bits), rtol=1e-5, atol=1e-5)
+        for m in range(20):
+            assert torch.equal(cpu_kernel.registered_blocks(x20[m : m + 1], handle, True), y20[m : m + 1])
+        assert torch.equal(cpu_kernel.registered_blocks(x20[5:13], handle, True), y20[5:13])
+    finally:
+        cpu_kernel.release_blocks(handle)
     # and close to the float product with the blocks' weights (8-bit activations: ~1% of the scale)
     w = cpu_kernel.dequantize_blocks(codes, scale, minimum, bits)
     exact = x.double() @ w.double().t()

@@ -119,10 +119,10 @@ def _torch_draft(target, scheme: str, gguf, compiled: bool) -> CausalLM:
 
 def _fast_draft(target, scheme: str, gguf) -> CausalLM:
     """An eager target's draft on the compiled path, in the fast dtype (it owns its tensors)."""
-    from ..models.compiled import CompiledCausalLM, fast_dtype
+    from ..models.compiled import CompiledCausalLM, auto_dtype
     from ..models.quantize import quantized_copy
 
-    model = quantized_copy(target.model, scheme, dtype=fast_dtype(target.device), gguf=gguf)
+    model = quantized_copy(target.model, scheme, dtype=auto_dtype(target.device, scheme), gguf=gguf)
     draft = CompiledCausalLM(model, target.eos_token_ids, quantize=scheme)
     draft.warmup(WARM_TOKENS)
     return draft

@@ -4,6 +4,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <atomic>
 #include <type_traits>
 
 namespace speclm {
@@ -62,5 +63,24 @@ at::Tensor small_m_blocks(const at::Tensor& x, const at::Tensor& codes, const at
                           const c10::optional<at::Tensor>& minimum, int64_t bits);
 at::Tensor small_m_blocks_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                              const c10::optional<at::Tensor>& minimum, int64_t bits);
+
+// A layer's blocks repacked in AMX's tile layout (small_m_tiles.cpp): codes [groups, blocks, 256 or 512
+// bytes], scale and minimum [groups, blocks, 16], for 16 weight rows per group.
+struct TileLayer {
+  at::Tensor codes, scale;
+  c10::optional<at::Tensor> minimum;
+  int64_t bits, N, groups;
+};
+// Whether the block layers registered from now on are repacked for tile_product. enable_tiles()
+// turns that on (AVX-512 VNNI builds) and, with use_amx, asks the OS for AMX's tile state: returns
+// whether products of several rows run on AMX tiles (else on AVX-512 VNNI, with the same bits).
+std::atomic<bool>& tiles_on();
+bool enable_tiles(bool use_amx);
+TileLayer tile_layer(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
+                     int64_t bits);
+// y [M, N] weight-row groups g0 .. g1 - 1 (columns 16 g0 .. 16 g1 - 1) = 8-bit activations (codes qx
+// [M, K], scales dx, scaled sums sx [M, K / 32], as small_m_q8.cpp quantizes them) times the layer.
+void tile_product(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K, const TileLayer& w,
+                  int64_t g0, int64_t g1, float* y);
 
 }  // namespace speclm

@@ -42,9 +42,11 @@ log = logging.getLogger(__name__)
 # rows up to which the kernels beat the BLAS (benchmarks/small_m_gemm.py --modes aten,kernel,q4-q8,q4-blas):
 MAX_ROWS = 16  # float weights: MKL's product is as fast at 16 rows and faster beyond
 BLOCK_MAX_ROWS = 32  # a GGUF's blocks: beyond this, decoding them for the BLAS is cheaper
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("small_m.cpp", "small_m_attention.cpp", "small_m_q8.cpp"))
+SOURCES = tuple(Path(__file__).with_name(n)
+                for n in ("small_m.cpp", "small_m_attention.cpp", "small_m_q8.cpp", "small_m_tiles.cpp"))
 HEADER = Path(__file__).with_name("small_m.h")
 ENV = "SPECLM_CPU_KERNEL"  # "0" turns the kernel off
+ISA_ENV = "SPECLM_CPU_ISA"  # "avx2" or "avx512-vnni": those kernels even where the CPU has more
 ACTIVATIONS = ("q8", "float")  # how BlockLinear multiplies: 8-bit activations (llama.cpp's way) or floats
 
 _lock = threading.Lock()
@@ -55,6 +57,35 @@ _enabled = True
 def _cpu_has_avx2() -> bool:
     capability = torch.backends.cpu.get_cpu_capability()  # "DEFAULT", "AVX2", "AVX512", ...
     return capability.startswith(("AVX2", "AVX512"))
+
+
+def isa() -> str:
+    """The instruction set the kernels are built for on this CPU: "amx", "avx512-vnni" or "avx2".
+
+    Detected, never assumed; SPECLM_CPU_ISA=avx2 or avx512-vnni builds for less than the CPU has (to
+    compare). Each sums the 8-bit-activation products in its own order: their results agree up to
+    float rounding, not bit for bit (within one build a row's result never depends on its batch)."""
+    cpu = torch.cpu
+    found = "avx2"
+    if all(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_supported", "_is_vnni_supported")):
+        found = "avx512-vnni"
+        if getattr(cpu, "_is_amx_tile_supported", lambda: False)() and "amx_int8" in _cpu_flags():
+            found = "amx"
+    wanted = os.environ.get(ISA_ENV, "")
+    order = list(_ISA_FLAGS)
+    return wanted if wanted in order and order.index(wanted) < order.index(found) else found
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
+    except OSError:  # not Linux: AMX needs Linux's permission call anyway
+        return set()
+
+
+_AVX512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+_ISA_FLAGS = {"avx2": ["-mavx2", "-mfma"], "avx512-vnni": _AVX512, "amx": [*_AVX512, "-mamx-tile", "-mamx-int8"]}
 
 
 def kernel_available() -> bool:
@@ -79,15 +110,18 @@ def _load() -> bool:
         from torch.utils.cpp_extension import _get_build_directory as _build_directory
         from torch.utils.cpp_extension import load
 
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, HEADER))).hexdigest()[:12]
+        flags = _ISA_FLAGS[isa()]  # the build's name holds them: a build for one CPU is never loaded on another
+        digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, HEADER)) + " ".join(flags).encode()).hexdigest()[:12]
         name = f"speclm_small_m_{digest}"
         if not any(Path(_build_directory(name, False)).glob("*.so")):
             print("speclm: building the CPU kernels for float32 steps (once, 30-90 s) ...",
                   file=sys.stderr, flush=True)
         # -fopenmp: at::parallel_for's threads; -ffp-contract=off: the roundings written, no fused ones
         load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(HEADER.parent)], extra_ldflags=["-fopenmp"], is_python_module=False,
-             extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"], verbose=False)
+             extra_cflags=["-O3", *flags, "-ffp-contract=off", "-fopenmp"], verbose=False)
         _register_fake()
+        if isa() != "avx2" and not torch.ops.speclm.enable_tiles(isa() == "amx") and isa() == "amx":
+            log.warning("speclm: the OS refused this process AMX's tile state; the block kernels run on AVX-512")
         return True
     except Exception as exc:  # noqa: BLE001  (no compiler, no ninja, a read-only cache: run as before)
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]

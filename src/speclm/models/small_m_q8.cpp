@@ -1,5 +1,6 @@
 // speclm: a GGUF file's Q4_0/Q4_1/Q8_0 blocks times activations quantized to 8 bits, with the
-// integer dot products llama.cpp's CPU kernels use, for CPUs with AVX2.
+// integer dot products llama.cpp's CPU kernels use, for CPUs with AVX2. Where the CPU has AVX-512
+// VNNI, registered layers are repacked once and run on small_m_tiles.cpp's products instead.
 //
 // small_m.cpp's small_m_blocks decodes each block's codes to floats and multiplies float
 // activations: about 14 instructions per 32 weights and row. Here each activation row is first
@@ -17,6 +18,7 @@
 #include <c10/util/Half.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
@@ -141,9 +143,9 @@ template <class Block>
 void q8_range(const Quantized& x, const Blocks& w, int64_t n0, int64_t n1, float* y) {
   const int64_t nb = x.K / 32, row_bytes = nb * Block::kBytes;
   speclm::row_groups(x.M, n0, n1, [&](auto R, int64_t m, int64_t n) {
-    q8_rows<Block, decltype(R)::value>(x.q + m * x.K, x.d + m * nb, x.s + m * nb, w.codes + n * row_bytes,
-                                       w.scale + n * nb, w.minimum == nullptr ? nullptr : w.minimum + n * nb,
-                                       nb, y + m * w.N + n, w.N);
+    q8_rows<Block, decltype(R)::value>(x.q + m * x.K, x.d + m * nb, x.s + m * nb,
+                                       w.codes + n * row_bytes, w.scale + n * nb,
+                                       w.minimum == nullptr ? nullptr : w.minimum + n * nb, nb, y + m * w.N + n, w.N);
   });
 }
 
@@ -196,6 +198,7 @@ struct BlockLayer {
   at::Tensor codes, scale;
   c10::optional<at::Tensor> minimum;
   int64_t bits;
+  c10::optional<speclm::TileLayer> tiles;  // repacked where tiles were on at registration: every 8-bit call uses them
 };
 
 std::mutex registry_mutex;
@@ -206,7 +209,9 @@ int64_t register_blocks(const at::Tensor& codes, const at::Tensor& scale,
                         const c10::optional<at::Tensor>& minimum, int64_t bits) {
   speclm::check_blocks(codes, scale, minimum, bits, scale.size(1) * 32);
   BlockLayer layer{codes.contiguous(), scale.contiguous(),
-                   minimum.has_value() ? c10::optional<at::Tensor>(minimum->contiguous()) : c10::nullopt, bits};
+                   minimum.has_value() ? c10::optional<at::Tensor>(minimum->contiguous()) : c10::nullopt, bits,
+                   c10::nullopt};
+  if (speclm::tiles_on().load()) layer.tiles = speclm::tile_layer(layer.codes, layer.scale, layer.minimum, bits);
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry.emplace(next_handle, std::move(layer));
   return next_handle++;
@@ -217,6 +222,8 @@ void release_blocks(int64_t handle) {
   registry.erase(handle);
 }
 
+std::vector<at::Tensor> registered_blocks_group(const at::Tensor& x, at::IntArrayRef handles);
+
 at::Tensor registered_blocks(const at::Tensor& x, int64_t handle, bool q8) {
   BlockLayer layer;
   {
@@ -225,6 +232,7 @@ at::Tensor registered_blocks(const at::Tensor& x, int64_t handle, bool q8) {
     TORCH_CHECK(found != registry.end(), "speclm: no block layer ", handle, " is registered");
     layer = found->second;
   }
+  if (q8 && layer.tiles.has_value()) return registered_blocks_group(x, {handle})[0];
   return q8 ? speclm::small_m_blocks_q8(x, layer.codes, layer.scale, layer.minimum, layer.bits)
             : speclm::small_m_blocks(x, layer.codes, layer.scale, layer.minimum, layer.bits);
 }
@@ -257,6 +265,17 @@ std::vector<at::Tensor> registered_blocks_group(const at::Tensor& x, at::IntArra
     start.push_back(start.back() + blocks.back().N);
   }
   const Quantized xq = quantize(xc);
+  if (std::all_of(layers.begin(), layers.end(), [](const BlockLayer& l) { return l.tiles.has_value(); })) {
+    std::vector<int64_t> first{0};  // layer i's tile groups are first[i] .. first[i + 1] - 1 of the loop
+    for (const BlockLayer& layer : layers) first.push_back(first.back() + layer.tiles->groups);
+    at::parallel_for(0, first.back(), 1, [&](int64_t g0, int64_t g1) {
+      for (size_t i = 0; i < layers.size(); ++i) {
+        const int64_t lo = std::max(g0, first[i]), hi = std::min(g1, first[i + 1]);
+        if (lo < hi) speclm::tile_product(xq.q, xq.d, xq.s, xq.M, xq.K, *layers[i].tiles, lo - first[i], hi - first[i], y[i]);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, start.back(), 16, [&](int64_t n0, int64_t n1) {
     for (size_t i = 0; i < blocks.size(); ++i) {
       const int64_t lo = std::max(n0, start[i]), hi = std::min(n1, start[i + 1]);
@@ -281,4 +300,7 @@ TORCH_LIBRARY_IMPL(speclm, CPU, m) {
   m.impl("register_blocks", &register_blocks);
   m.impl("registered_blocks", &registered_blocks);
   m.impl("registered_blocks_group", &registered_blocks_group);
+}
+TORCH_LIBRARY_FRAGMENT(speclm, m) {
+  m.def("enable_tiles(bool use_amx) -> bool", &speclm::enable_tiles);
 }

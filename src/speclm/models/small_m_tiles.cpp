@@ -1,0 +1,258 @@
+// speclm: a GGUF file's Q4_0/Q4_1/Q8_0 blocks times 8-bit activations, on CPUs with AVX-512 VNNI
+// (and AMX-INT8 tiles where the CPU has them, such as Sapphire Rapids): what registered block
+// layers run where small_m.py builds for these CPUs.
+//
+// A layer is repacked once, when it is registered (small_m_q8.cpp), into AMX's tile layout: per
+// 16 weight rows and block of 32 inputs, 8 rows of 64 bytes, row i holding inputs 4i .. 4i + 3 of
+// each of the 16 weight rows (4-bit codes stay 4-bit, two tile rows a byte); scales and minimums
+// as [groups, blocks, 16] floats. Two products read it and give the same exact int32 dot product
+// of every (activation row, weight row, block):
+// - vnni_groups (AVX-512 VNNI), for few rows: one vpdpbusd adds a tile row's 4 inputs to all 16
+//   dots at once, so 8 instructions a block and activation row for 16 weight rows and no
+//   horizontal sums (small_m_q8.cpp's AVX2 loop needs ~7 a block for each weight row);
+// - tile_groups (AMX), from kAmxMinRows rows: one tile instruction for up to 16 activation rows.
+// Each (row, weight row) output is then scaled and summed over blocks in input order by the same
+// float32 operations (scale_block):
+//     y[r, n] = fma-chain over b of float(dot[r, n, b]) * (d_w[n, b] * d_x[r, b])
+//             + fma-chain over b of min[n, b] * s_x[r, b]                          (Q4_1 only)
+// which depend on nothing but (r, n): a row's result has the same bits alone or among 32, on either
+// product (the verifier's rows equal the decode steps' rows).
+#include "small_m.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+
+namespace {
+
+constexpr int64_t kCols = 16;  // weight rows per tile (its columns)
+constexpr int64_t kTileRows = 16;  // activation rows per tile
+std::atomic<bool> amx{false};  // granted: products of kAmxMinRows rows and more run on the tiles
+constexpr int64_t kAmxMinRows = 16;  // below, vnni_groups is faster (benchmarks/small_m_gemm.py)
+
+// The float part both products share, for one activation row and one block of 16 weight rows:
+// acc += float(dots) * (d_w * d_x), offset += minimum * s_x (Q4_1). The same operations in the same
+// order for every row, whichever product computed the (exact) integer dots.
+inline void scale_block(__m512i dots, __m512 ws, const float* wm, float dx, float sx, __m512& acc, __m512& offset) {
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(ws, _mm512_set1_ps(dx)), acc);
+  if (wm != nullptr) offset = _mm512_fmadd_ps(_mm512_loadu_ps(wm), _mm512_set1_ps(sx), offset);
+}
+
+inline void store_rows(const __m512* acc, const __m512* offset, int64_t rows, float* y, int64_t ldy, int64_t cols) {
+  const __mmask16 keep = static_cast<__mmask16>((1u << cols) - 1);
+  for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, _mm512_add_ps(acc[r], offset[r]));
+}
+
+// The same integer dots with AVX-512 VNNI, for few rows: the tile layout's 64-byte row i holds
+// inputs 4i .. 4i + 3 of all 16 weight rows, so one vpdpbusd against those 4 activation bytes
+// (broadcast) adds them to all 16 dots at once: 8 per block, no horizontal sums. vpdpbusd
+// multiplies unsigned by signed bytes: signed weights go in shifted up (Q4_0: its codes q, not
+// q - 8; Q8_0: w + 128) and the shift times the block's activation sum is taken back, exactly.
+template <int Bits, bool Signed>
+void vnni_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K,
+                 const speclm::TileLayer& w, int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  const int64_t nb = K / 32, bytes = Bits == 4 ? 256 : 512;
+  const int32_t shift = Bits == 4 ? 8 : 128;
+  std::vector<int32_t> xsum(Signed ? M * nb : 0);  // each row's block sums of its codes
+  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+    int32_t total = 0;
+    for (int j = 0; j < 32; ++j) total += qx[i * 32 + j];
+    xsum[i] = total;
+  }
+  const uint8_t* codes = w.codes.data_ptr<uint8_t>();
+  const float* scale = w.scale.data_ptr<float>();
+  const float* minimum = w.minimum.has_value() ? w.minimum->data_ptr<float>() : nullptr;
+  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  std::vector<__m512> acc(M), offset(M);
+  for (int64_t g = g0; g < g1; ++g) {
+    std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
+    std::fill(offset.begin(), offset.end(), _mm512_setzero_ps());
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = codes + (g * nb + b) * bytes;
+      __m512i wr[8];  // the block's 8 tile rows, as unsigned bytes
+      for (int i = 0; i < 8; ++i) {
+        if (Bits == 8) {
+          wr[i] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * i), flip);
+        } else if (i % 2 == 0) {
+          const __m512i v = _mm512_loadu_si512(p + 32 * i);
+          wr[i] = _mm512_and_si512(v, low);
+          wr[i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
+      }
+      const __m512 ws = _mm512_loadu_ps(scale + (g * nb + b) * kCols);
+      const float* wm = minimum != nullptr ? minimum + (g * nb + b) * kCols : nullptr;
+      for (int64_t r = 0; r < M; ++r) {
+        const int32_t* xr = reinterpret_cast<const int32_t*>(qx + r * K + b * 32);
+        __m512i dots = Signed ? _mm512_set1_epi32(-shift * xsum[r * nb + b]) : _mm512_setzero_si512();
+        for (int i = 0; i < 8; ++i) dots = _mm512_dpbusd_epi32(dots, wr[i], _mm512_set1_epi32(xr[i]));
+        scale_block(dots, ws, wm, dx[r * nb + b], sx[r * nb + b], acc[r], offset[r]);
+      }
+    }
+    store_rows(acc.data(), offset.data(), M, y + g * kCols, ldy, std::min(kCols, w.N - g * kCols));
+  }
+}
+
+#if defined(__AMX_INT8__)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tile 0: int32 sums [M, 16]; tile 1: activations [M, 32 bytes]; tile 2: weights [8, 64 bytes].
+void configure(int64_t M) {
+  TileConfig cfg;
+  cfg.colsb[0] = 64, cfg.rows[0] = static_cast<uint8_t>(M);
+  cfg.colsb[1] = 32, cfg.rows[1] = static_cast<uint8_t>(M);
+  cfg.colsb[2] = 64, cfg.rows[2] = 8;
+  _tile_loadconfig(&cfg);
+}
+
+// the 8 x 64-byte weight tile of one block of 16 weight rows, into buf (4-bit: unpacked)
+template <int Bits, bool Signed>
+inline const int8_t* weight_tile(const uint8_t* p, int8_t* buf) {
+  if (Bits == 8) return reinterpret_cast<const int8_t*>(p);
+  const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  for (int i = 0; i < 4; ++i) {  // byte j of 64-byte row i: tile row 2i (low nibble), 2i + 1 (high)
+    const __m512i v = _mm512_loadu_si512(p + 64 * i);
+    __m512i a = _mm512_and_si512(v, low), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+    if (Signed) a = _mm512_sub_epi8(a, eight), b = _mm512_sub_epi8(b, eight);  // Q4_0: q - 8
+    _mm512_store_si512(buf + 128 * i, a);
+    _mm512_store_si512(buf + 128 * i + 64, b);
+  }
+  return buf;
+}
+
+template <int Bits, bool Signed>
+void tile_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K,
+                 const speclm::TileLayer& w, int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  const int64_t nb = K / 32, bytes = Bits == 4 ? 256 : 512;
+  alignas(64) int8_t buf[512];
+  alignas(64) int32_t sums[kTileRows][kCols];
+  const uint8_t* codes = w.codes.data_ptr<uint8_t>();
+  const float* scale = w.scale.data_ptr<float>();
+  const float* minimum = w.minimum.has_value() ? w.minimum->data_ptr<float>() : nullptr;
+  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+    const int64_t rows = std::min(kTileRows, M - m0);
+    configure(rows);
+    for (int64_t g = g0; g < g1; ++g) {
+      __m512 acc[kTileRows], offset[kTileRows];
+      for (int64_t r = 0; r < rows; ++r) acc[r] = offset[r] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < nb; ++b) {
+        const int8_t* tile = weight_tile<Bits, Signed>(codes + (g * nb + b) * bytes, buf);
+        _tile_zero(0);
+        _tile_loadd(1, qx + m0 * K + b * 32, K);
+        _tile_loadd(2, tile, 64);
+        if (Signed) _tile_dpbssd(0, 1, 2);
+        else _tile_dpbsud(0, 1, 2);  // Q4_1: unsigned codes
+        _tile_stored(0, sums, 64);
+        const __m512 ws = _mm512_loadu_ps(scale + (g * nb + b) * kCols);
+        const float* wm = minimum != nullptr ? minimum + (g * nb + b) * kCols : nullptr;
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t i = (m0 + r) * nb + b;
+          scale_block(_mm512_load_si512(sums[r]), ws, wm, dx[i], sx[i], acc[r], offset[r]);
+        }
+      }
+      store_rows(acc, offset, rows, y + m0 * ldy + g * kCols, ldy, std::min(kCols, w.N - g * kCols));
+    }
+  }
+  _tile_release();
+}
+
+#endif  // __AMX_INT8__
+
+}  // namespace
+
+bool speclm::enable_tiles(bool use_amx) {
+  tiles_on().store(true);
+#if defined(__AMX_INT8__)
+  // Linux gives a process the tiles' state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, 0x1023,
+  // for XFEATURE_XTILEDATA, 18); without it the first tile instruction faults.
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  amx.store(use_amx && granted);
+#endif
+  return amx.load();
+}
+
+speclm::TileLayer speclm::tile_layer(const at::Tensor& codes, const at::Tensor& scale,
+                                     const c10::optional<at::Tensor>& minimum, int64_t bits) {
+  const int64_t N = scale.size(0), nb = scale.size(1), groups = (N + kCols - 1) / kCols;
+  const int64_t bytes = bits == 4 ? 256 : 512, row_bytes = codes.size(1);
+  const bool q4_0 = bits == 4 && !minimum.has_value();
+  at::Tensor tiles = at::zeros({groups, nb, bytes}, codes.options());
+  at::Tensor tile_scale = at::zeros({groups, nb, kCols}, scale.options());
+  c10::optional<at::Tensor> tile_min;
+  if (minimum.has_value()) tile_min = at::zeros({groups, nb, kCols}, scale.options());
+  const uint8_t* src = codes.data_ptr<uint8_t>();
+  uint8_t* dst = tiles.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* t = dst + (g * nb + b) * bytes;
+        for (int64_t c = 0; c < kCols; ++c) {
+          const int64_t n = g * kCols + c;
+          for (int64_t k = 0; k < 32; ++k) {  // input k of the block: tile row k / 4, byte 4c + k % 4
+            const int64_t row = k / 4, j = 4 * c + k % 4;
+            if (bits == 8) {
+              t[row * 64 + j] = n < N ? src[n * row_bytes + b * 32 + k] : 0;
+            } else {
+              const uint8_t byte = n < N ? src[n * row_bytes + b * 16 + k % 16] : 0;
+              const uint8_t code = n < N ? (k < 16 ? byte & 0x0F : byte >> 4) : (q4_0 ? 8 : 0);  // pad: 0
+              t[(row / 2) * 64 + j] |= static_cast<uint8_t>(code << (row % 2 ? 4 : 0));
+            }
+          }
+        }
+      }
+  });
+  const float* s = scale.data_ptr<float>();
+  const float* mn = minimum.has_value() ? minimum->data_ptr<float>() : nullptr;
+  float* ts = tile_scale.data_ptr<float>();
+  float* tm = tile_min.has_value() ? tile_min->data_ptr<float>() : nullptr;
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int64_t at = ((n / kCols) * nb + b) * kCols + n % kCols;
+      ts[at] = s[n * nb + b];
+      if (tm != nullptr) tm[at] = mn[n * nb + b];
+    }
+  return {tiles, tile_scale, tile_min, bits, N, groups};
+}
+
+void speclm::tile_product(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K,
+                          const TileLayer& w, int64_t g0, int64_t g1, float* y) {
+#if defined(__AMX_INT8__)
+  if (amx.load() && M >= kAmxMinRows) {
+    if (w.bits == 8) tile_groups<8, true>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
+    else if (!w.minimum.has_value()) tile_groups<4, true>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
+    else tile_groups<4, false>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
+    return;
+  }
+#endif
+  if (w.bits == 8) vnni_groups<8, true>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
+  else if (!w.minimum.has_value()) vnni_groups<4, true>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
+  else vnni_groups<4, false>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
+}
+
+#else  // built without AVX-512 VNNI: the tile layout is never used
+
+bool speclm::enable_tiles(bool) { return false; }
+
+speclm::TileLayer speclm::tile_layer(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
+                                     int64_t) {
+  TORCH_CHECK(false, "speclm: the CPU kernels were built without AMX");
+}
+
+void speclm::tile_product(const int8_t*, const float*, const float*, int64_t, int64_t, const TileLayer&, int64_t,
+                          int64_t, float*) {
+  TORCH_CHECK(false, "speclm: the CPU kernels were built without AMX");
+}
+
+#endif
+
+std::atomic<bool>& speclm::tiles_on() {
+  static std::atomic<bool> on{false};
+  return on;
+}
