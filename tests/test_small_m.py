@@ -340,3 +340,15 @@ def test_a_compiled_step_groups_the_calls_and_computes_the_same_bits(cpu_kernel,
         got = torch.compile(module, dynamic=False, options=options)(x)
         assert torch.equal(got, module(x))
     assert removed == [2]
+
+
+def test_attention_kernel_keeps_a_nan_score_nan(cpu_kernel):
+    """A NaN key makes every query row that sees it NaN, as in SDPA (the vectorized exponential
+    must not turn it into a zero weight)."""
+    gen = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(1, 2, 1, 16, generator=gen), torch.randn(1, 1, 40, 16, generator=gen),
+                         torch.randn(1, 1, 40, 16, generator=gen))
+    key[0, 0, 7, 3] = float("nan")
+    assert torch.isnan(cpu_kernel.small_m_attention(query, key, value, None, 0.25)).all()
+    assert torch.isnan(F.scaled_dot_product_attention(query, key.expand(1, 2, 40, 16), value.expand(1, 2, 40, 16),
+                                                      scale=0.25)).all()

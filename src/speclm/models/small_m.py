@@ -25,6 +25,7 @@ CPU lacks AVX2/FMA, or ``SPECLM_CPU_KERNEL=0``, every layer runs ``F.linear`` as
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -60,28 +61,32 @@ def _cpu_has_avx2() -> bool:
 
 
 def isa() -> str:
-    """The instruction set the kernels are built for on this CPU: "amx", "avx512-vnni" or "avx2".
+    """The instruction set the kernels are built for on this CPU: "amx", "avx512-vnni" or "avx2"
+    (where the compiler lacks its flags, the build falls back to the next lower one, with a warning).
 
     Detected, never assumed; SPECLM_CPU_ISA=avx2 or avx512-vnni builds for less than the CPU has (to
     compare). Each sums the 8-bit-activation products in its own order: their results agree up to
     float rounding, not bit for bit (within one build a row's result never depends on its batch)."""
-    cpu = torch.cpu
+    cpu, flags = torch.cpu, _cpu_flags()
     found = "avx2"
-    if all(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_supported", "_is_vnni_supported")):
+    if (all(getattr(cpu, f, lambda: False)() for f in ("_is_avx512_supported", "_is_vnni_supported"))
+            and {"avx512bw", "avx512vl", "avx512_vnni"} <= flags):
         found = "avx512-vnni"
-        if getattr(cpu, "_is_amx_tile_supported", lambda: False)() and "amx_int8" in _cpu_flags():
+        if getattr(cpu, "_is_amx_tile_supported", lambda: False)() and "amx_int8" in flags:
             found = "amx"
     wanted = os.environ.get(ISA_ENV, "")
     order = list(_ISA_FLAGS)
     return wanted if wanted in order and order.index(wanted) < order.index(found) else found
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
     try:
         with open("/proc/cpuinfo") as fh:
-            return next((set(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")), set())
-    except OSError:  # not Linux: AMX needs Linux's permission call anyway
-        return set()
+            return next((frozenset(line.split(":", 1)[1].split()) for line in fh if line.startswith("flags")),
+                        frozenset())
+    except OSError:  # not Linux: the AVX2 build (AMX needs Linux's permission call anyway)
+        return frozenset()
 
 
 _AVX512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
@@ -106,28 +111,42 @@ def _load() -> bool:
         return False
     if hasattr(torch.ops, "speclm") and hasattr(torch.ops.speclm, "small_m_mm"):
         return True
-    try:
-        from torch.utils.cpp_extension import _get_build_directory as _build_directory
-        from torch.utils.cpp_extension import load
-
-        flags = _ISA_FLAGS[isa()]  # the build's name holds them: a build for one CPU is never loaded on another
-        digest = hashlib.sha256(b"".join(p.read_bytes() for p in (*SOURCES, HEADER)) + " ".join(flags).encode()).hexdigest()[:12]
-        name = f"speclm_small_m_{digest}"
-        if not any(Path(_build_directory(name, False)).glob("*.so")):
-            print("speclm: building the CPU kernels for float32 steps (once, 30-90 s) ...",
-                  file=sys.stderr, flush=True)
-        # -fopenmp: at::parallel_for's threads; -ffp-contract=off: the roundings written, no fused ones
-        load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(HEADER.parent)], extra_ldflags=["-fopenmp"], is_python_module=False,
-             extra_cflags=["-O3", *flags, "-ffp-contract=off", "-fopenmp"], verbose=False)
+    levels = list(_ISA_FLAGS)
+    tried = levels[: levels.index(isa()) + 1][::-1]  # the CPU's best first; a compiler without its flags: lower
+    for level in tried:
+        try:
+            _build(level)
+        except Exception as exc:  # noqa: BLE001  (no compiler, no ninja, a read-only cache: run as before)
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            if level == "avx2":
+                log.warning("speclm: the float32 CPU kernel is unavailable (%s); using torch's own "
+                            "matrix products", first)
+                return False
+            log.warning("speclm: the %s CPU kernels did not build (%s); building for %s", level, first,
+                        tried[tried.index(level) + 1])
+            continue
         _register_fake()
-        if isa() != "avx2" and not torch.ops.speclm.enable_tiles(isa() == "amx") and isa() == "amx":
+        if level != "avx2" and not torch.ops.speclm.enable_tiles(level == "amx") and level == "amx":
             log.warning("speclm: the OS refused this process AMX's tile state; the block kernels run on AVX-512")
         return True
-    except Exception as exc:  # noqa: BLE001  (no compiler, no ninja, a read-only cache: run as before)
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
-        log.warning("speclm: the float32 CPU kernel is unavailable (%s); using torch's own "
-                    "matrix products", first)
-        return False
+    return False
+
+
+def _build(level: str) -> None:
+    """Build (or load the cached build of) the kernels for instruction set ``level``."""
+    from torch.utils.cpp_extension import _get_build_directory as _build_directory
+    from torch.utils.cpp_extension import load
+
+    flags = _ISA_FLAGS[level]  # in the build's name: a build for one CPU is never loaded on another
+    sources = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
+    name = f"speclm_small_m_{hashlib.sha256(sources + ' '.join(flags).encode()).hexdigest()[:12]}"
+    if not any(Path(_build_directory(name, False)).glob("*.so")):
+        print(f"speclm: building the CPU kernels for float32 steps ({level}; once, 30-90 s) ...",
+              file=sys.stderr, flush=True)
+    # -fopenmp: at::parallel_for's threads; -ffp-contract=off: the roundings written, no fused ones
+    load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(HEADER.parent)],
+         extra_ldflags=["-fopenmp"], is_python_module=False,
+         extra_cflags=["-O3", *flags, "-ffp-contract=off", "-fopenmp"], verbose=False)
 
 
 def _register_fake() -> None:

@@ -85,7 +85,7 @@ int64_t visible(const float* mrow, const bool* brow, int64_t stride, int64_t end
 
 // exp(x) for x <= 0, 8 at a time: 2^n * p(r) with n = round(x / ln 2), r = x - n ln 2 (ln 2 in two
 // parts) and p a degree-6 Taylor polynomial (relative error ~2e-7, 1-2 ulp from std::exp); 0 below
-// -87.3, where exp underflows float32's normal range.
+// -87.3, where exp underflows float32's normal range; NaN for NaN (a NaN score makes its row NaN).
 inline __m256 exp_nonpositive(__m256 x) {
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -100,7 +100,9 @@ inline __m256 exp_nonpositive(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   const __m256 e = _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
-  return _mm256_and_ps(e, _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ));
+  const __m256 kept = _mm256_or_ps(_mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_GE_OQ),
+                                   _mm256_cmp_ps(x, x, _CMP_UNORD_Q));  // a NaN stays NaN, as std::exp's
+  return _mm256_and_ps(e, kept);
 }
 
 // e[0, n) = exp(score[0, n) - top); returns their sum (8 lanes in slot order, then a fixed tree).

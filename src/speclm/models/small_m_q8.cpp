@@ -222,67 +222,66 @@ void release_blocks(int64_t handle) {
   registry.erase(handle);
 }
 
-std::vector<at::Tensor> registered_blocks_group(const at::Tensor& x, at::IntArrayRef handles);
+BlockLayer registered(int64_t handle) {  // the caller holds registry_mutex
+  const auto found = registry.find(handle);
+  TORCH_CHECK(found != registry.end(), "speclm: no block layer ", handle, " is registered");
+  return found->second;
+}
+
+// x times each of `layers` (all reading x), with 8-bit activations: x quantized once, all their
+// weight rows in one parallel loop; on the tile layout where the layers were repacked for it.
+std::vector<at::Tensor> q8_product(const at::Tensor& x, const std::vector<BlockLayer>& layers, const char* op) {
+  check_rows(x, op);
+  const at::Tensor xc = x.contiguous();
+  const bool tiled = layers.front().tiles.has_value();
+  std::vector<at::Tensor> out;
+  std::vector<float*> y;  // out[i]'s data
+  std::vector<int64_t> start{0};  // layer i's units (weight rows, or groups of 16 of them on tiles)
+  for (const BlockLayer& layer : layers) {
+    TORCH_CHECK(layer.scale.size(1) * 32 == xc.size(1), op, ": a layer's input size is ", layer.scale.size(1) * 32,
+                ", x has ", xc.size(1));
+    TORCH_CHECK(layer.tiles.has_value() == tiled, op, ": layers registered with and without the tile layout");
+    out.push_back(at::empty({xc.size(0), layer.scale.size(0)}, xc.options()));
+    y.push_back(out.back().data_ptr<float>());
+    start.push_back(start.back() + (tiled ? layer.tiles->groups : layer.scale.size(0)));
+  }
+  std::vector<Blocks> blocks;
+  if (!tiled)
+    for (const BlockLayer& layer : layers) blocks.push_back(blocks_of(layer.codes, layer.scale, layer.minimum, layer.bits));
+  const Quantized xq = quantize(xc);
+  at::parallel_for(0, start.back(), tiled ? 1 : 16, [&](int64_t u0, int64_t u1) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const int64_t lo = std::max(u0, start[i]) - start[i], hi = std::min(u1, start[i + 1]) - start[i];
+      if (lo >= hi) continue;
+      if (tiled) speclm::tile_product(xq.q, xq.d, xq.s, xq.M, xq.K, *layers[i].tiles, lo, hi, y[i]);
+      else q8_columns(xq, blocks[i], lo, hi, y[i]);
+    }
+  });
+  return out;
+}
 
 at::Tensor registered_blocks(const at::Tensor& x, int64_t handle, bool q8) {
   BlockLayer layer;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
-    const auto found = registry.find(handle);
-    TORCH_CHECK(found != registry.end(), "speclm: no block layer ", handle, " is registered");
-    layer = found->second;
+    layer = registered(handle);
   }
-  if (q8 && layer.tiles.has_value()) return registered_blocks_group(x, {handle})[0];
+  if (q8 && layer.tiles.has_value()) return q8_product(x, {layer}, "registered_blocks")[0];
   return q8 ? speclm::small_m_blocks_q8(x, layer.codes, layer.scale, layer.minimum, layer.bits)
             : speclm::small_m_blocks(x, layer.codes, layer.scale, layer.minimum, layer.bits);
 }
 
 // The layers of `handles` (all 8-bit-activation layers reading the same input, such as a decoder
-// layer's query, key and value projections) in one call: x quantized once, all their weight rows in
-// one parallel loop. Each output has the bits of registered_blocks(x, handle, true).
+// layer's query, key and value projections) in one call. Each output has the bits of
+// registered_blocks(x, handle, true).
 std::vector<at::Tensor> registered_blocks_group(const at::Tensor& x, at::IntArrayRef handles) {
-  check_rows(x, "registered_blocks_group");
+  TORCH_CHECK(!handles.empty(), "registered_blocks_group: no layers");
   std::vector<BlockLayer> layers;
   {
     std::lock_guard<std::mutex> lock(registry_mutex);
-    for (const int64_t handle : handles) {
-      const auto found = registry.find(handle);
-      TORCH_CHECK(found != registry.end(), "speclm: no block layer ", handle, " is registered");
-      layers.push_back(found->second);
-    }
+    for (const int64_t handle : handles) layers.push_back(registered(handle));
   }
-  const at::Tensor xc = x.contiguous();
-  std::vector<Blocks> blocks;
-  std::vector<at::Tensor> out;
-  std::vector<float*> y;  // out[i]'s data
-  std::vector<int64_t> start{0};  // layer i's weight rows are start[i] .. start[i + 1] - 1 of the loop
-  for (const BlockLayer& layer : layers) {
-    TORCH_CHECK(layer.scale.size(1) * 32 == xc.size(1), "registered_blocks_group: a layer's input size is ",
-                layer.scale.size(1) * 32, ", x has ", xc.size(1));
-    blocks.push_back(blocks_of(layer.codes, layer.scale, layer.minimum, layer.bits));
-    out.push_back(at::empty({xc.size(0), blocks.back().N}, xc.options()));
-    y.push_back(out.back().data_ptr<float>());
-    start.push_back(start.back() + blocks.back().N);
-  }
-  const Quantized xq = quantize(xc);
-  if (std::all_of(layers.begin(), layers.end(), [](const BlockLayer& l) { return l.tiles.has_value(); })) {
-    std::vector<int64_t> first{0};  // layer i's tile groups are first[i] .. first[i + 1] - 1 of the loop
-    for (const BlockLayer& layer : layers) first.push_back(first.back() + layer.tiles->groups);
-    at::parallel_for(0, first.back(), 1, [&](int64_t g0, int64_t g1) {
-      for (size_t i = 0; i < layers.size(); ++i) {
-        const int64_t lo = std::max(g0, first[i]), hi = std::min(g1, first[i + 1]);
-        if (lo < hi) speclm::tile_product(xq.q, xq.d, xq.s, xq.M, xq.K, *layers[i].tiles, lo - first[i], hi - first[i], y[i]);
-      }
-    });
-    return out;
-  }
-  at::parallel_for(0, start.back(), 16, [&](int64_t n0, int64_t n1) {
-    for (size_t i = 0; i < blocks.size(); ++i) {
-      const int64_t lo = std::max(n0, start[i]), hi = std::min(n1, start[i + 1]);
-      if (lo < hi) q8_columns(xq, blocks[i], lo - start[i], hi - start[i], y[i]);
-    }
-  });
-  return out;
+  return q8_product(x, layers, "registered_blocks_group");
 }
 
 }  // namespace

@@ -23,7 +23,10 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -84,9 +87,13 @@ void vnni_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, 
       const __m512 ws = _mm512_loadu_ps(scale + (g * nb + b) * kCols);
       const float* wm = minimum != nullptr ? minimum + (g * nb + b) * kCols : nullptr;
       for (int64_t r = 0; r < M; ++r) {
-        const int32_t* xr = reinterpret_cast<const int32_t*>(qx + r * K + b * 32);
+        const int8_t* xr = qx + r * K + b * 32;
         __m512i dots = Signed ? _mm512_set1_epi32(-shift * xsum[r * nb + b]) : _mm512_setzero_si512();
-        for (int i = 0; i < 8; ++i) dots = _mm512_dpbusd_epi32(dots, wr[i], _mm512_set1_epi32(xr[i]));
+        for (int i = 0; i < 8; ++i) {
+          int32_t four;  // inputs 4i .. 4i + 3, broadcast to the 16 weight rows
+          std::memcpy(&four, xr + 4 * i, 4);
+          dots = _mm512_dpbusd_epi32(dots, wr[i], _mm512_set1_epi32(four));
+        }
         scale_block(dots, ws, wm, dx[r * nb + b], sx[r * nb + b], acc[r], offset[r]);
       }
     }
@@ -242,12 +249,12 @@ bool speclm::enable_tiles(bool) { return false; }
 
 speclm::TileLayer speclm::tile_layer(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
                                      int64_t) {
-  TORCH_CHECK(false, "speclm: the CPU kernels were built without AMX");
+  TORCH_CHECK(false, "speclm: the CPU kernels were built without AVX-512 VNNI: no tile layout");
 }
 
 void speclm::tile_product(const int8_t*, const float*, const float*, int64_t, int64_t, const TileLayer&, int64_t,
                           int64_t, float*) {
-  TORCH_CHECK(false, "speclm: the CPU kernels were built without AMX");
+  TORCH_CHECK(false, "speclm: the CPU kernels were built without AVX-512 VNNI: no tile layout");
 }
 
 #endif
