@@ -48,6 +48,13 @@ inline void store_rows(const __m512* acc, const __m512* offset, int64_t rows, fl
   for (int64_t r = 0; r < rows; ++r) _mm512_mask_storeu_ps(y + r * ldy, keep, _mm512_add_ps(acc[r], offset[r]));
 }
 
+// Tile rows 2c and 2c + 1 of a 4-bit block from its packed 64-byte chunk c (low and high nibbles).
+inline void unpack4(const uint8_t* p, int c, __m512i& even, __m512i& odd) {
+  const __m512i low = _mm512_set1_epi8(0x0F), v = _mm512_loadu_si512(p + 64 * c);
+  even = _mm512_and_si512(v, low);
+  odd = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+}
+
 // The same integer dots with AVX-512 VNNI, for few rows: the tile layout's 64-byte row i holds
 // inputs 4i .. 4i + 3 of all 16 weight rows, so one vpdpbusd against those 4 activation bytes
 // (broadcast) adds them to all 16 dots at once: 8 per block, no horizontal sums. vpdpbusd
@@ -67,7 +74,7 @@ void vnni_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, 
   const uint8_t* codes = w.codes.data_ptr<uint8_t>();
   const float* scale = w.scale.data_ptr<float>();
   const float* minimum = w.minimum.has_value() ? w.minimum->data_ptr<float>() : nullptr;
-  const __m512i low = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   std::vector<__m512> acc(M), offset(M);
   for (int64_t g = g0; g < g1; ++g) {
     std::fill(acc.begin(), acc.end(), _mm512_setzero_ps());
@@ -79,9 +86,7 @@ void vnni_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, 
         if (Bits == 8) {
           wr[i] = _mm512_xor_si512(_mm512_loadu_si512(p + 64 * i), flip);
         } else if (i % 2 == 0) {
-          const __m512i v = _mm512_loadu_si512(p + 32 * i);
-          wr[i] = _mm512_and_si512(v, low);
-          wr[i + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+          unpack4(p, i / 2, wr[i], wr[i + 1]);
         }
       }
       const __m512 ws = _mm512_loadu_ps(scale + (g * nb + b) * kCols);
@@ -123,10 +128,10 @@ void configure(int64_t M) {
 template <int Bits, bool Signed>
 inline const int8_t* weight_tile(const uint8_t* p, int8_t* buf) {
   if (Bits == 8) return reinterpret_cast<const int8_t*>(p);
-  const __m512i low = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
-  for (int i = 0; i < 4; ++i) {  // byte j of 64-byte row i: tile row 2i (low nibble), 2i + 1 (high)
-    const __m512i v = _mm512_loadu_si512(p + 64 * i);
-    __m512i a = _mm512_and_si512(v, low), b = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  const __m512i eight = _mm512_set1_epi8(8);
+  for (int i = 0; i < 4; ++i) {
+    __m512i a, b;
+    unpack4(p, i, a, b);
     if (Signed) a = _mm512_sub_epi8(a, eight), b = _mm512_sub_epi8(b, eight);  // Q4_0: q - 8
     _mm512_store_si512(buf + 128 * i, a);
     _mm512_store_si512(buf + 128 * i + 64, b);
