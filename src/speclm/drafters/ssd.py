@@ -26,6 +26,7 @@ caller at the next ``on_verified``; ``finish`` stops it at the end of the reques
 
 from __future__ import annotations
 
+import contextvars
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -166,8 +167,9 @@ class AsyncDraftModelDrafter(DraftModelDrafter):
         if self._stream is not None:  # the worker's stream waits for what this stream queued
             ready = torch.cuda.Event()
             ready.record()
-        self._job = self._pool.submit(self._speculate, trunk, self._trunk_logits, ctx.params, ctx.max_tokens,
-                                      seed, ready)
+        # in the caller's context: PyTorch's compiler settings are context variables
+        self._job = self._pool.submit(contextvars.copy_context().run, self._speculate, trunk,
+                                      self._trunk_logits, ctx.params, ctx.max_tokens, seed, ready)
 
     def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
         start = time.perf_counter()

@@ -83,6 +83,9 @@ def auto_dtype(device: torch.device, quantize: str | None) -> torch.dtype:
 
 
 def _raise_dynamo_limits(graphs: int) -> None:
+    """Let dynamo keep ``graphs`` graphs of one function. Its settings are context variables:
+    they hold for the calling thread only, so a step raises them again on the thread that
+    compiles (a server's engine thread otherwise fell back to eager at dynamo's default of 8)."""
     import torch._dynamo.config as dynamo_config
 
     for name, want in (("recompile_limit", graphs), ("cache_size_limit", graphs),
@@ -134,11 +137,13 @@ class _Step:
         self.seen_hidden: set[tuple] = set()  # (key, layers): graphs that also return hidden states
         self.skip_guards = True
         self.warming = False
+        self.graphs = 8  # graphs dynamo may keep of the step (allow_graphs)
 
-    @staticmethod
-    def allow_graphs(graphs: int) -> None:
-        """Raise dynamo's recompile limits to hold ``graphs`` graphs of one function."""
-        _raise_dynamo_limits(graphs)
+    def allow_graphs(self, graphs: int) -> None:
+        """Raise dynamo's recompile limits to hold ``graphs`` graphs of the step (more, never
+        fewer, than asked before), here and on whichever thread compiles one later."""
+        self.graphs = max(self.graphs, graphs)
+        _raise_dynamo_limits(self.graphs)
 
     def __call__(self, key: tuple, *args, layers: tuple[int, ...] = ()):
         """Run the graph for ``key`` (compiling it on first use) on ``args``: the logits, or with
@@ -154,12 +159,14 @@ class _Step:
             except RuntimeError as exc:  # a guard beyond the shape failed (global state, another
                 if "skip_guard_eval_unsafe" not in str(exc):  # instance's graphs): check them all
                     raise
+                _raise_dynamo_limits(self.graphs)
                 return self.compiled(*args, layers)
         if (self.seen or self.seen_hidden) and not self.warming:
             rows = f"{key[0]} rows x " if len(key) == 3 else ""
             hidden = f" with the hidden states of layers {list(layers)}" if layers else ""
             print(f"speclm: compiling a step for {rows}{key[-2]} tokens over {key[-1]} cache slots"
                   f"{hidden} (one time)...", file=sys.stderr)
+        _raise_dynamo_limits(self.graphs)  # dynamo's limits are per thread
         out = self.compiled(*args, layers)
         seen.add(entry)
         return out
@@ -205,7 +212,6 @@ class CompiledCausalLM:
             raise SpeclmError(f"token buckets must be positive, got {tuple(buckets)}")
         self.capacities = tuple(capacities) if capacities else capacity_buckets(
             self.max_context, self.buckets[-1], min(512, self.max_context + self.buckets[-1]))
-        _raise_dynamo_limits(len(self.buckets) * len(self.capacities) * 4)  # with and without features
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self._cache = StaticKVCache(self.num_layers, self.kv_heads, self.head_dim, self.capacities,
@@ -214,6 +220,7 @@ class CompiledCausalLM:
         self.compile_backend = compile_backend
         freeze = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
         self._step = _step or _Step(model, mode, compile_backend, freeze)
+        self._step.allow_graphs(len(self.buckets) * len(self.capacities) * 4)  # with and without features
         self._min = torch.finfo(self.dtype).min
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
         self._neg = torch.full((), self._min, dtype=self.dtype, device=self.device)

@@ -89,14 +89,33 @@ class ServeOptions:
 
 
 def build_app(opts: ServeOptions):
-    """Load the model and build the FastAPI app (the worker starts with the app's lifespan)."""
+    """Load the model and build the FastAPI app (the worker starts with the app's lifespan).
+    The model is loaded, compiled and warmed on the thread that will step it (speclm.serve.owner)."""
+    from .app import ServerConfig, ServerState, create_app
+    from .metrics import ServerMetrics
+    from .owner import OwnerThread
+    from .worker import EngineWorker
+
+    owner = OwnerThread()
+    try:
+        llm, engine = owner.call(_build_engine, opts)
+    except BaseException:
+        owner.close()
+        raise
+    metrics = ServerMetrics()
+    worker = EngineWorker(engine, llm.tokenizer, metrics, max_queue=opts.max_queue, owner=owner)
+    config = ServerConfig(opts.model_name(), opts.api_key, opts.max_body_bytes, opts.shutdown_grace_s,
+                          bind_host=opts.host, allowed_hosts=tuple(opts.allowed_hosts),
+                          cors_origins=tuple(opts.cors_origins))
+    return create_app(ServerState(llm, worker, metrics, config))
+
+
+def _build_engine(opts: ServeOptions):
+    """The model, its rows, one drafter per request and the engine over them, warmed up."""
     from ..api import LLM
     from ..drafters.registry import grows_trees, parse_drafter
     from ..engine import Engine
     from ..models.rows import make_rows
-    from .app import ServerConfig, ServerState, create_app
-    from .metrics import ServerMetrics
-    from .worker import EngineWorker
 
     spec = _drafter_text(opts) if opts.speculative else None
     backend = opts.backend
@@ -130,12 +149,7 @@ def build_app(opts: ServeOptions):
                     prefill_chunk=opts.prefill_chunk,
                     drafter_name=rows_drafters.name if rows_drafters is not None else "none",
                     grammars=llm.grammars)
-    metrics = ServerMetrics()
-    worker = EngineWorker(engine, llm.tokenizer, metrics, max_queue=opts.max_queue)
-    config = ServerConfig(opts.model_name(), opts.api_key, opts.max_body_bytes, opts.shutdown_grace_s,
-                          bind_host=opts.host, allowed_hosts=tuple(opts.allowed_hosts),
-                          cors_origins=tuple(opts.cors_origins))
-    return create_app(ServerState(llm, worker, metrics, config))
+    return llm, engine
 
 
 def _drafter_text(opts: ServeOptions) -> str:

@@ -1,5 +1,8 @@
 """The engine thread: one loop doing batched steps, fed by the asyncio side through queues.
 
+The loop runs on the server's :class:`~speclm.serve.owner.OwnerThread`, the thread that also
+loaded and warmed the model (why: speclm.serve.owner).
+
 Handlers call :meth:`EngineWorker.submit` (which refuses at once when the bounded queue is
 full, with a ``Retry-After`` from the drain rate (:mod:`speclm.serve.admission`), or when the
 server is stopping) and read :class:`Event` s from the returned handle's asyncio
@@ -16,6 +19,7 @@ import math
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 from ..engine import Engine
@@ -25,6 +29,7 @@ from ..sampling import SamplingParams
 from ..stats import RequestStats
 from .admission import Admission
 from .metrics import ServerMetrics
+from .owner import OwnerThread
 from .protocol import APIError
 
 log = logging.getLogger("speclm.serve")
@@ -53,7 +58,10 @@ class RequestHandle:
 class EngineWorker:
     """Owns an :class:`~speclm.engine.Engine` and the thread that steps it."""
 
-    def __init__(self, engine: Engine, tokenizer, metrics: ServerMetrics, *, max_queue: int = 64) -> None:
+    def __init__(self, engine: Engine, tokenizer, metrics: ServerMetrics, *, max_queue: int = 64,
+                 owner: OwnerThread | None = None) -> None:
+        """``owner``: the thread that built the engine's model, which then runs the loop too
+        (None: a new one)."""
         if max_queue < 0:
             raise SpeclmError(f"max queue must be >= 0, got {max_queue}")
         self.engine = engine
@@ -68,7 +76,8 @@ class EngineWorker:
         self._draining = False  # no new requests
         self._stop = False  # fail what is left and exit
         self._hurry = False  # end the grace period now (a second Ctrl-C)
-        self._thread: threading.Thread | None = None
+        self._owner = owner
+        self._loop: Future | None = None  # the loop running on the owner thread
 
     # -- asyncio side ----------------------------------------------------------------------
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
@@ -102,7 +111,7 @@ class EngineWorker:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._loop is not None and not self._loop.done()
 
     @property
     def load(self) -> int:
@@ -115,8 +124,10 @@ class EngineWorker:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="speclm-engine", daemon=True)
-        self._thread.start()
+        if self._owner is None:
+            self._owner = OwnerThread()
+        self._loop = self._owner.submit(self._run)
+        self._loop.add_done_callback(_log_failure)
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Stop taking requests, let in-flight ones finish for up to ``grace_s`` seconds, then
@@ -128,8 +139,10 @@ class EngineWorker:
             time.sleep(0.05)
         self._stop = True
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        if self._loop is not None:
+            wait([self._loop], timeout=30)
+        if self._owner is not None:
+            self._owner.close()
 
     def hurry(self) -> None:
         """Cut a running :meth:`stop`'s grace period short."""
@@ -228,6 +241,11 @@ class EngineWorker:
             handle.loop.call_soon_threadsafe(handle.events.put_nowait, event)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             pass
+
+
+def _log_failure(loop: Future) -> None:
+    if not loop.cancelled() and loop.exception() is not None:
+        log.error("the engine loop stopped", exc_info=loop.exception())
 
 
 def _internal_error() -> APIError:
