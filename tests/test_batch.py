@@ -285,6 +285,50 @@ def test_policy_shrinks_the_draft_as_verification_gets_expensive():
     assert fixed.choose([3, 5], [0.1, 0.1]) == 5
 
 
+def test_policy_costs_steps_at_the_padded_shape_the_backend_runs():
+    """The compiled path runs graphs at padded (rows, tokens): 3 rows of 2 tokens cost what 4 rows
+    of 4 cost. A policy told so drafts a whole token bucket or nothing; measured per real token
+    it saw K = 1 as cheap and drafted at an acceptance where plain steps win."""
+
+    def pad(n, sizes):
+        return next(b for b in sizes if b >= n)
+
+    def computed(rows, width):
+        return pad(rows, (1, 2, 4, 8)) * pad(width, (1, 4, 8, 16))
+
+    def seconds(rows, width):  # what the padded forward costs: 0.010 s + 0.0005 s a token
+        return 0.010 + 0.0005 * computed(rows, width)
+
+    config = BatchDraftConfig(draft_max=3, adaptive=True, probe_every=1000)
+    padded, flat = BatchDraftPolicy(config, computed=computed), BatchDraftPolicy(config)
+    for policy in (padded, flat):  # steps seen so far: one row of 1-8 tokens, three rows of 1
+        for rows, width in ((1, 1), (1, 2), (1, 4), (1, 8), (3, 1)):
+            policy.update(rows, width, seconds(rows, width))
+    drafts = [3, 3, 3]
+    # alpha 0.3: 1.3-1.42 tokens a row for 1.4x the plain step's cost at any K: plain
+    assert padded.choose(drafts, [0.3] * 3) == 0
+    assert flat.choose(drafts, [0.3] * 3) == 1  # the cost per real token thought K = 1 paid
+    # alpha 0.8: drafting pays; the bucket is paid for anyway, so the whole draft goes in
+    assert padded.choose(drafts, [0.8] * 3) == 3
+
+
+def test_policy_skips_asking_drafters_when_no_draft_could_pay_and_still_probes():
+    config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4)
+    steep = BatchDraftPolicy(config)  # a CPU-like cost: linear in the tokens fed
+    assert steep.worth_asking(16, [0.5] * 16, 8) is False  # the plain step is not measured yet
+    steep.update(16, 1, 0.010)
+    steep.update(16, 9, 0.090)
+    asks = [steep.worth_asking(16, [0.5] * 16, 8) for _ in range(6)]
+    # plain steps 2 and 3 skip the drafters; then a probe is due (every 4th step) and they are asked
+    assert asks == [False, False, True, True, True, True]
+    assert steep.choose([8] * 16, [0.5] * 16) == 2  # ... which choose() runs on the real drafts
+    cheap = BatchDraftPolicy(config)
+    cheap.update(4, 1, 0.010)
+    cheap.update(4, 9, 0.011)
+    assert cheap.worth_asking(4, [0.3] * 4, 8) is True
+    assert BatchDraftPolicy(BatchDraftConfig(draft_max=8, adaptive=False)).worth_asking(4, [0.0] * 4, 8)
+
+
 def sliding_model(kind):
     """Tiny float64 models with sliding-window layers: Mistral (every layer, window 8, one mask)
     and Gemma-3 (local and global layers, window 4, a mask per layer type)."""

@@ -78,6 +78,7 @@ class StepReport:
     fed_per_row: int = 0  # T = 1 + the longest draft verified
     draft_cap: int = 0  # K of the widest row after the batch cap (0: a plain step)
     longest_draft: int = 0  # the longest draft proposed before the batch cap
+    policy_plain: bool = False  # the batch policy made the step plain (drafts cut, or not asked for)
     drafted: int = 0  # draft tokens verified, all rows
     accepted: int = 0
     committed: int = 0  # tokens committed, all rows
@@ -141,7 +142,8 @@ class Engine:
         self.batch_policy = None
         if rows.num_slots > 1:  # the step's draft cap from measured (rows x tokens) cost
             self.batch_policy = BatchDraftPolicy(
-                BatchDraftConfig(self.draft_length.draft_max, self.draft_length.adaptive), cost_prior)
+                BatchDraftConfig(self.draft_length.draft_max, self.draft_length.adaptive), cost_prior,
+                computed=rows.computed)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] lives in slot i; decoding rows first
 
@@ -334,6 +336,17 @@ class Engine:
             return Draft.empty()
         return draft
 
+    def _worth_asking(self, batch: list[Sequence]) -> bool:
+        """Whether the rows' drafters are asked this step. With several rows the batch policy
+        may find that no draft could pay (speclm.batch.draft_policy); seeded rows and rows
+        under a grammar are always asked (their drafts never depend on timing)."""
+        if len(batch) < 2 or self.batch_policy is None or all(s.policy is None for s in batch):
+            return True  # (no drafters: nothing to skip)
+        if any(s.fixed_draft or s.grammar is not None for s in batch):
+            return True
+        alphas = [s.policy.alpha if s.policy is not None else s.alpha for s in batch]
+        return self.batch_policy.worth_asking(len(batch), alphas, self.draft_length.draft_max)
+
     def _cap(self, batch: list[Sequence], drafts: list[Draft], report: StepReport) -> list[Draft]:
         """With several rows, cap deterministic chains by the batch's measured step cost.
         Cutting a deterministic chain is lossless; sampled drafts, trees and seeded rows keep
@@ -345,7 +358,11 @@ class Engine:
 
     def _decode(self, batch: list[Sequence], report: StepReport) -> list[SeqOutput]:
         t0 = time.perf_counter()
-        proposals = self._proposals(batch)
+        if self._worth_asking(batch):
+            proposals = self._proposals(batch)
+        else:  # no draft could pay this step: plain, without asking the drafters
+            proposals = [(Draft.empty(), False)] * len(batch)
+            report.policy_plain = True
         drafts = [d for d, _ in proposals]
         report.longest_draft = max(d.depth for d in drafts)
         if len(batch) > 1 and self.batch_policy is not None and report.longest_draft:
@@ -400,6 +417,7 @@ class Engine:
             self.batch_policy.update(len(batch), width, elapsed)
         report.batch_size, report.fed_per_row, report.decode_s = len(batch), width, elapsed
         report.draft_s, report.draft_cap = t1 - t0, width - 1
+        report.policy_plain = report.policy_plain or (width == 1 and report.longest_draft > 0)
         report.judged_per_position = [0] * (width - 1)
         report.accepted_per_position = [0] * (width - 1)
         return [self._commit(seq, draft, a, emitted, report) for seq, draft, a, emitted in outputs]

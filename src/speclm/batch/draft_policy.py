@@ -12,7 +12,9 @@ where ``d_b`` is row b's actual draft length (prompt lookup drafts are known bef
 and are a function of the context, so choosing K after seeing them is lossless) and ``alpha_b``
 the row's measured per-token acceptance (an exponential moving average). ``cost(M)`` is learned
 online by :class:`StepCostModel` from the steps the server actually runs: seconds per forward
-as a function of the tokens fed, interpolated between measured sizes. Unmeasured larger sizes
+as a function of the tokens it computes, padding included (``computed``: the compiled path runs
+graphs at padded row and token counts, so 3 rows of 2 tokens cost what 4 rows of 4 cost, and
+K = 1 costs what K = 3 costs there), interpolated between measured sizes. Unmeasured larger sizes
 are extrapolated from the measured slope (optimistically flat before there are two points), so
 the policy explores upward once and then settles. When plain steps win, a short draft (K = 2)
 is still tried after ``probe_every`` plain steps, then after twice as many, and so on (up to
@@ -22,6 +24,7 @@ is still tried after ``probe_every`` plain steps, then after twice as many, and 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,15 +97,34 @@ class BatchDraftPolicy:
 
     ``prior``: the target's measured cost model (speclm.cost_model), whose single-row forwards
     of T tokens seed the step cost of T tokens fed, so the first steps already know what a wide
-    step costs; the steps the server runs refine it."""
+    step costs; the steps the server runs refine it. ``computed(rows, width)``: the tokens such
+    a forward computes, padding included (the rows' :meth:`~speclm.models.rows.TargetRows.computed`;
+    default ``rows * width``)."""
 
-    def __init__(self, config: BatchDraftConfig, prior: CostModel | None = None) -> None:
+    def __init__(self, config: BatchDraftConfig, prior: CostModel | None = None,
+                 computed: Callable[[int, int], int] | None = None) -> None:
         self.config = config
         self.cost = StepCostModel()
+        self._computed = computed or (lambda rows, width: rows * width)
         for tokens, seconds in zip(prior.widths, prior.seconds) if prior is not None else ():
-            self.cost.observe(tokens, seconds)
+            self.cost.observe(self._computed(1, tokens), seconds)
         self._plain_streak = 0
         self._probe_interval = config.probe_every
+
+    def worth_asking(self, batch: int, alphas: list[float], draft_max: int) -> bool:
+        """Before any row drafts: could a cap K > 0 win this step if every row drafted
+        ``draft_max`` tokens? That bounds what the real drafts can earn at the same cost, so
+        False is what :meth:`choose` would decide after drafting, and the drafters need not be
+        asked: a busy server whose steps run plain saves every row's drafting work.
+        A False counts as a plain step; when a probe is due the answer is True."""
+        if not self.config.adaptive or draft_max < 1:
+            return True
+        if self._best([draft_max] * batch, alphas, [False] * batch) > 0:
+            return True
+        if self._plain_streak + 1 >= self._probe_interval:
+            return True  # choose() runs the probe on the real drafts
+        self._plain_streak += 1
+        return False
 
     def choose(self, draft_lengths: list[int], alphas: list[float],
                fixed: list[bool] | None = None) -> int:
@@ -114,18 +136,7 @@ class BatchDraftPolicy:
         longest = max(draft_lengths, default=0)
         if longest == 0 or not self.config.adaptive:
             return longest
-        batch = len(draft_lengths)
-        floor = max((d for d, f in zip(draft_lengths, fixed) if f), default=0)
-        best_k, best_rate = None, 0.0
-        for k in range(longest + 1):
-            width = 1 + max(k, floor)
-            if not self.cost.measured(batch * width) and k == 0:
-                return 0  # measure the narrowest step at this batch size: what drafts must beat
-            tokens = sum(expected_tokens(d if f else min(d, k), a)
-                         for d, a, f in zip(draft_lengths, alphas, fixed))
-            rate = tokens / self.cost.estimate(batch * width)
-            if best_k is None or rate > best_rate:
-                best_k, best_rate = k, rate
+        best_k = self._best(draft_lengths, alphas, fixed)
         if best_k > 0:
             self._plain_streak, self._probe_interval = 0, self.config.probe_every
             return best_k
@@ -138,7 +149,24 @@ class BatchDraftPolicy:
         self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_FACTOR * self.config.probe_every)
         return min(longest, _PROBE_K)
 
+    def _best(self, draft_lengths: list[int], alphas: list[float], fixed: list[bool]) -> int:
+        """The K with the highest expected tokens per second (0 while the plain step of this
+        batch size is unmeasured: it is what drafts must beat)."""
+        batch = len(draft_lengths)
+        floor = max((d for d, f in zip(draft_lengths, fixed) if f), default=0)
+        best_k, best_rate = 0, 0.0
+        for k in range(max(draft_lengths, default=0) + 1):
+            size = self._computed(batch, 1 + max(k, floor))
+            if not self.cost.measured(size) and k == 0:
+                return 0
+            tokens = sum(expected_tokens(d if f else min(d, k), a)
+                         for d, a, f in zip(draft_lengths, alphas, fixed))
+            rate = tokens / self.cost.estimate(size)
+            if k == 0 or rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
+
     def update(self, batch: int, fed_per_row: int, seconds: float) -> None:
         """Record one target forward of ``batch`` rows of ``fed_per_row`` tokens."""
-        self.cost.observe(batch * fed_per_row, seconds)
+        self.cost.observe(self._computed(batch, fed_per_row), seconds)
 

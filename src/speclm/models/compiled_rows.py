@@ -69,6 +69,14 @@ class CompiledRows:
     def length(self, slot: int) -> int:
         return self.cache.lengths[slot]
 
+    def computed(self, num_rows: int, width: int) -> int:
+        """The graph's padded (rows, tokens); a forward no graph covers runs unpadded."""
+        padded_rows = next((b for b in self.row_buckets if b >= num_rows), None)
+        padded = self.target.bucket(width)
+        if padded_rows is None or padded is None:
+            return num_rows * width
+        return padded_rows * padded
+
     @torch.inference_mode()
     def forward(self, rows: range, token_ids: torch.Tensor, num_fed: list[int], *,
                 logits: bool = True, trees: Sequence[TreeMeta | None] | None = None,

@@ -106,6 +106,9 @@ class LlamaCppRows:
     def length(self, slot: int) -> int:
         return self._length[slot]
 
+    def computed(self, num_rows: int, width: int) -> int:
+        return num_rows * width
+
     # -- forward -----------------------------------------------------------------------------
     def forward(self, rows: range, token_ids: torch.Tensor, num_fed: list[int], *,
                 logits: bool = True, trees: Sequence[TreeMeta | None] | None = None,

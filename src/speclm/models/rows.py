@@ -65,6 +65,10 @@ class TargetRows(Protocol):
         [pending, node_0 ..] laid out by ``trees[b]`` (speclm.tree). What the forward wrote is
         pending until :meth:`keep` says which of it stays."""
 
+    def computed(self, num_rows: int, width: int) -> int:
+        """Tokens a forward of ``num_rows`` rows of ``width`` tokens computes, padding included:
+        the size its cost follows (the batch draft policy's measure)."""
+
     def keep(self, slot: int, start: int, keep: list[int]) -> None:
         """After a forward: keep the slot's first ``start`` entries, then those at
         ``start + keep[i]`` (ascending). A prefill keeps all it fed: ``keep(slot, length, [])``."""
@@ -125,6 +129,9 @@ class SlotRows:
     def length(self, slot: int) -> int:
         h = self._handles[slot]
         return 0 if h is None else h.cache_length
+
+    def computed(self, num_rows: int, width: int) -> int:
+        return num_rows * width  # rows run one after another
 
     def forward(self, rows: range, token_ids: torch.Tensor, num_fed: list[int], *,
                 logits: bool = True, trees: Sequence[TreeMeta | None] | None = None,
@@ -190,6 +197,9 @@ class RaggedRows:
 
     def length(self, slot: int) -> int:
         return int(self.model.cache.lengths[slot])
+
+    def computed(self, num_rows: int, width: int) -> int:
+        return num_rows * width
 
     def forward(self, rows: range, token_ids: torch.Tensor, num_fed: list[int], *,
                 logits: bool = True, trees: Sequence[TreeMeta | None] | None = None,

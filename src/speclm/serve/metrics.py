@@ -48,8 +48,8 @@ class ServerMetrics:
         self.draft_cap_hist = Histogram("speclm_spec_draft_length_per_step", "Draft cap K per "
                                         "decode step", buckets=(0, 1, 2, 3, 4, 6, 8, 10, 12, 16),
                                         registry=r)
-        self.spec_off_steps = Counter("speclm_spec_off_steps", "Decode steps run plain (K = 0) "
-                                      "by the policy although drafts were proposed", registry=r)
+        self.spec_off_steps = Counter("speclm_spec_off_steps", "Decode steps the batch policy ran "
+                                      "plain (K = 0): drafts cut, or drafters not asked", registry=r)
         self.drafted = Counter("speclm_spec_drafted_tokens", "Draft tokens verified", registry=r)
         self.accepted = Counter("speclm_spec_accepted_tokens", "Draft tokens accepted", registry=r)
         self.row_forwards = Counter("speclm_spec_row_forwards", "Rows verified (one per request "
@@ -111,7 +111,7 @@ class ServerMetrics:
             return
         self.draft_cap.set(report.draft_cap)
         self.draft_cap_hist.observe(report.draft_cap)
-        if report.draft_cap == 0 and report.longest_draft > 0:
+        if report.policy_plain:
             self.spec_off_steps.inc()
         self.drafted.inc(report.drafted)
         self.accepted.inc(report.accepted)
