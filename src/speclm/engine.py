@@ -344,16 +344,14 @@ class Engine:
             return True  # (no drafters: nothing to skip)
         if any(s.fixed_draft or s.grammar is not None for s in batch):
             return True
-        alphas = [s.policy.alpha if s.policy is not None else s.alpha for s in batch]
-        return self.batch_policy.worth_asking(len(batch), alphas, self.draft_length.draft_max)
+        return self.batch_policy.worth_asking(len(batch), _alphas(batch), self.draft_length.draft_max)
 
     def _cap(self, batch: list[Sequence], drafts: list[Draft], report: StepReport) -> list[Draft]:
         """With several rows, cap deterministic chains by the batch's measured step cost.
         Cutting a deterministic chain is lossless; sampled drafts, trees and seeded rows keep
         theirs whole (their random draws must not depend on the batch)."""
         fixed = [s.fixed_draft or d.q_draft is not None or d.tree is not None for s, d in zip(batch, drafts)]
-        alphas = [s.policy.alpha if s.policy is not None else s.alpha for s in batch]
-        cap = self.batch_policy.choose([d.depth for d in drafts], alphas, fixed)
+        cap = self.batch_policy.choose([d.depth for d in drafts], _alphas(batch), fixed)
         return [d if f or d.num_tokens <= cap else Draft(d.tokens[:cap]) for d, f in zip(drafts, fixed)]
 
     def _decode(self, batch: list[Sequence], report: StepReport) -> list[SeqOutput]:
@@ -495,6 +493,11 @@ class Engine:
                 del slots[seq.slot]
             seq.slot, slots[want] = want, seq
         self.running = order
+
+
+def _alphas(batch: list[Sequence]) -> list[float]:
+    """Each row's measured acceptance, as the batch policy reads it."""
+    return [s.policy.alpha if s.policy is not None else s.alpha for s in batch]
 
 
 def _groups(todo: list[tuple[Sequence, int]], waste: float = 0.25, slack: int = 64):

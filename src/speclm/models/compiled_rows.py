@@ -69,13 +69,16 @@ class CompiledRows:
     def length(self, slot: int) -> int:
         return self.cache.lengths[slot]
 
-    def computed(self, num_rows: int, width: int) -> int:
-        """The graph's padded (rows, tokens); a forward no graph covers runs unpadded."""
+    def _graph_shape(self, num_rows: int, width: int) -> tuple[int, int] | None:
+        """The (rows, tokens) of the graph a forward of this shape runs at (None: eager)."""
         padded_rows = next((b for b in self.row_buckets if b >= num_rows), None)
         padded = self.target.bucket(width)
-        if padded_rows is None or padded is None:
-            return num_rows * width
-        return padded_rows * padded
+        return None if padded_rows is None or padded is None else (padded_rows, padded)
+
+    def computed(self, num_rows: int, width: int) -> int:
+        """The graph's padded rows x tokens; a forward no graph covers runs unpadded."""
+        shape = self._graph_shape(num_rows, width)
+        return num_rows * width if shape is None else shape[0] * shape[1]
 
     @torch.inference_mode()
     def forward(self, rows: range, token_ids: torch.Tensor, num_fed: list[int], *,
@@ -87,13 +90,12 @@ class CompiledRows:
         starts = [self.cache.lengths[slot] for slot in rows]
         if max(s + n for s, n in zip(starts, num_fed)) > self.max_context:
             raise SpeclmError(f"a row would exceed the model's context of {self.max_context} positions")
-        padded_rows = next((b for b in self.row_buckets if b >= num_rows), None)
-        padded = self.target.bucket(width)
-        if not logits or return_hidden is True or rows.start != 0 or padded is None or padded_rows is None:
+        shape = self._graph_shape(num_rows, width)
+        if not logits or return_hidden is True or rows.start != 0 or shape is None:
             out = self._eager(rows, token_ids, num_fed, starts, trees, return_hidden, logits)
         else:
             layers = tuple(_select_layers(return_hidden, self.target.num_layers)) if return_hidden else ()
-            out = self._compiled(rows, token_ids, num_fed, starts, trees, padded_rows, padded, layers)
+            out = self._compiled(rows, token_ids, num_fed, starts, trees, *shape, layers)
         for slot, n in zip(rows, num_fed):
             self.cache.lengths[slot] += n  # written; keep() says what stays
         return out
