@@ -263,7 +263,7 @@ def test_step_cost_model_interpolates_and_extrapolates():
 
 
 def test_policy_shrinks_the_draft_as_verification_gets_expensive():
-    config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4)
+    config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4, probe_share=1.0)
     drafts, alphas = [8] * 16, [0.5] * 16
     cheap = BatchDraftPolicy(config)  # a GPU-like cost: flat in the tokens fed
     assert cheap.choose(drafts, alphas) == 0  # first, measure the plain step
@@ -312,8 +312,34 @@ def test_policy_costs_steps_at_the_padded_shape_the_backend_runs():
     assert padded.choose(drafts, [0.8] * 3) == 3
 
 
+def test_policy_probes_within_a_share_of_the_plain_steps_time():
+    """A probe over many rows costs several plain steps on a CPU: it waits until it is at most
+    ``probe_share`` of the plain steps run since the last one; a cheap probe comes on time."""
+    config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4, probe_share=0.1)
+
+    def steep():
+        policy = BatchDraftPolicy(config)
+        policy.update(16, 1, 0.010)
+        policy.update(16, 9, 0.090)  # a probe (16 x 3 tokens) costs 0.03 s: 0.02 s more than plain
+        return policy
+
+    policy = steep()
+    picks = [policy.choose([8] * 16, [0.5] * 16) for _ in range(50)]
+    assert [i for i, k in enumerate(picks) if k] == [19, 39]  # 20 plain steps' 0.2 s x 0.1 pays for it
+    policy = steep()
+    asks = [policy.worth_asking(16, [0.5] * 16, 8) for _ in range(20)]
+    assert asks.index(True) == 19 and not any(asks[:19])
+    cheap = BatchDraftPolicy(config)
+    cheap.update(1, 1, 0.010)
+    cheap.update(1, 9, 0.018)  # a probe (3 tokens) costs 0.002 s more: due after 4 plain steps
+    picks = [cheap.choose([8], [0.1]) for _ in range(12)]
+    assert [i for i, k in enumerate(picks) if k] == [3, 11]
+    with pytest.raises(SpeclmError):
+        BatchDraftConfig(probe_share=0.0)
+
+
 def test_policy_skips_asking_drafters_when_no_draft_could_pay_and_still_probes():
-    config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4)
+    config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4, probe_share=1.0)
     steep = BatchDraftPolicy(config)  # a CPU-like cost: linear in the tokens fed
     assert steep.worth_asking(16, [0.5] * 16, 8) is False  # the plain step is not measured yet
     steep.update(16, 1, 0.010)

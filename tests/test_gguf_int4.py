@@ -23,7 +23,7 @@ from speclm.models.gguf_int4 import (
     keep_gguf_int4,
 )
 from speclm.models.quantize import Int4Linear
-from speclm.models.small_m import BLOCK_MAX_ROWS, MAX_ROWS, BlockLinear
+from speclm.models.small_m import BLOCK_MAX_ROWS, MAX_ROWS, BlockLinear, block_max_rows
 
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
@@ -88,7 +88,8 @@ def test_layer_computes_the_files_weights_exactly(type_name):
 def test_the_cpu_kernel_runs_the_files_blocks_exactly(cpu_kernel, type_name, activations, monkeypatch):
     """float32 on an AVX2 CPU: few-row products run speclm's kernel on the file's own blocks.
     Read back with one-hot rows its weights are gguf-py's values bit for bit; a row's output is
-    the same alone or among others; long inputs run the int4 layer."""
+    the same alone or among others, at any number of rows on the tile layout (AVX-512 VNNI,
+    AMX); elsewhere long inputs run the BLAS on the decoded blocks."""
     raw, dequantized = _blocks(type_name, seed=4)
     order = np.random.default_rng(5).permutation(48)
     weight = torch.from_numpy(dequantized[order].copy())
@@ -109,8 +110,13 @@ def test_the_cpu_kernel_runs_the_files_blocks_exactly(cpu_kernel, type_name, act
         else:  # float32 sums of 96 products (one in 768 outputs was 1.05e-5 from MKL's at 1e-5)
             torch.testing.assert_close(y, exact, rtol=1e-5, atol=5e-5)
         assert all(torch.equal(layer(x[i:i + 1]), y[i:i + 1]) for i in range(MAX_ROWS))
-        long = torch.randn(2, BLOCK_MAX_ROWS // 2 + 1, 96)  # beyond the kernel's rows: the BLAS
-        torch.testing.assert_close(layer(long), long @ weight.T + bias, rtol=1e-5, atol=1e-5)
+        long = torch.randn(2, BLOCK_MAX_ROWS // 2 + 1, 96)  # [2, 17, 96]: more rows than the AVX2 loop takes
+        if activations == "q8" and block_max_rows() is None:  # the tile layout: the kernel, each row's own bits
+            got = layer(long)
+            assert all(torch.equal(got[b, t], layer(long[b, t:t + 1])[0]) for b in range(2) for t in range(17))
+            torch.testing.assert_close(got, long @ weight.T + bias, rtol=0, atol=0.02 * got.abs().max().item())
+        else:  # the BLAS on the decoded blocks
+            torch.testing.assert_close(layer(long), long @ weight.T + bias, rtol=1e-5, atol=1e-5)
 
 
 def test_foreign_weights_are_refused():

@@ -18,7 +18,11 @@ K = 1 costs what K = 3 costs there), interpolated between measured sizes. Unmeas
 are extrapolated from the measured slope (optimistically flat before there are two points), so
 the policy explores upward once and then settles. When plain steps win, a short draft (K = 2)
 is still tried after ``probe_every`` plain steps, then after twice as many, and so on (up to
-16x), so that a change in acceptance is noticed without paying for wide steps often.
+16x), so that a change in acceptance is noticed without paying for wide steps often; and never
+before the plain steps since the last probe have run long enough that the probe's extra cost
+(its measured step cost minus a plain step's) is at most ``probe_share`` of their time. A probe
+over 16 rows on a CPU costs several plain steps (16 rows x 4 tokens through every weight), so a
+busy server probes rarely, where a single row's probe costs little and comes often.
 """
 
 from __future__ import annotations
@@ -39,13 +43,16 @@ if TYPE_CHECKING:
 class BatchDraftConfig:
     draft_max: int = 10  # K cap: most tokens drafted per row per step
     adaptive: bool = True  # choose K per step by measured cost (False: always draft_max)
-    probe_every: int = 16  # with K = 0 winning, try a full draft this often
+    probe_every: int = 16  # with K = 0 winning, try a short draft this often (doubling while plain wins)
+    probe_share: float = 0.02  # ... but a probe's extra cost is at most this share of the plain steps' time
 
     def __post_init__(self) -> None:
         if self.draft_max < 1:
             raise SpeclmError(f"draft max must be >= 1, got {self.draft_max}")
         if self.probe_every < 1:
             raise SpeclmError(f"probe_every must be >= 1, got {self.probe_every}")
+        if not 0 < self.probe_share <= 1:
+            raise SpeclmError(f"probe_share must be in (0, 1], got {self.probe_share}")
 
 
 class StepCostModel:
@@ -121,7 +128,7 @@ class BatchDraftPolicy:
             return True
         if self._best([draft_max] * batch, alphas, [False] * batch) > 0:
             return True
-        if self._plain_streak + 1 >= self._probe_interval:
+        if self._probe_due(batch, self._plain_streak + 1):
             return True  # choose() runs the probe on the real drafts
         self._plain_streak += 1
         return False
@@ -141,13 +148,24 @@ class BatchDraftPolicy:
             self._plain_streak, self._probe_interval = 0, self.config.probe_every
             return best_k
         self._plain_streak += 1
-        if self._plain_streak < self._probe_interval:
+        if not self._probe_due(len(draft_lengths), self._plain_streak):
             return 0
         # probe: a short draft refreshes the rows' acceptance and the cost of a wider step at
         # a fraction of a full draft's price; while plain keeps winning, probe less often
         self._plain_streak = 0
         self._probe_interval = min(2 * self._probe_interval, _MAX_PROBE_FACTOR * self.config.probe_every)
         return min(longest, _PROBE_K)
+
+    def _probe_due(self, batch: int, streak: int) -> bool:
+        """Whether a probe runs after ``streak`` plain steps of ``batch`` rows: the interval has
+        passed, and the probe's extra cost is at most ``probe_share`` of those steps' time."""
+        if streak < self._probe_interval:
+            return False
+        plain = self.cost.estimate(self._computed(batch, 1))
+        probe = self.cost.estimate(self._computed(batch, 1 + _PROBE_K))
+        if plain is None or probe is None:
+            return True
+        return probe - plain <= self.config.probe_share * streak * plain
 
     def _best(self, draft_lengths: list[int], alphas: list[float], fixed: list[bool]) -> int:
         """The K with the highest expected tokens per second (0 while the plain step of this

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 # rows up to which the kernels beat the BLAS (benchmarks/small_m_gemm.py --modes aten,kernel,q4-q8,q4-blas):
 MAX_ROWS = 16  # float weights: MKL's product is as fast at 16 rows and faster beyond
-BLOCK_MAX_ROWS = 32  # a GGUF's blocks: beyond this, decoding them for the BLAS is cheaper
+BLOCK_MAX_ROWS = 32  # a GGUF's blocks on the AVX2 build (and float activations): beyond, the BLAS is cheaper
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("small_m.cpp", "small_m_attention.cpp", "small_m_q8.cpp", "small_m_tiles.cpp"))
 HEADER = Path(__file__).with_name("small_m.h")
@@ -52,6 +52,7 @@ ACTIVATIONS = ("q8", "float")  # how BlockLinear multiplies: 8-bit activations (
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
+_tiled = False  # the loaded build repacks block layers for AVX-512 VNNI / AMX (small_m_tiles.cpp)
 _enabled = True
 
 
@@ -128,6 +129,8 @@ def _load() -> bool:
         _register_fake()
         if level != "avx2" and not torch.ops.speclm.enable_tiles(level == "amx") and level == "amx":
             log.warning("speclm: the OS refused this process AMX's tile state; the block kernels run on AVX-512")
+        global _tiled
+        _tiled = level != "avx2"
         return True
     return False
 
@@ -191,11 +194,23 @@ def set_kernel_enabled(enabled: bool) -> None:
     _enabled = enabled
 
 
-def _kernel_rows(x: torch.Tensor, limit: int) -> int:
+def block_max_rows() -> int | None:
+    """Rows up to which a :class:`BlockLinear` with 8-bit activations runs the kernel (None: any).
+
+    On the tile layout (AVX-512 VNNI, AMX) the integer products beat decoding the blocks for
+    the BLAS at every row count measured (1.6-4x from 16 to 512 rows on a 2-core Sapphire
+    Rapids: docs/benchmarks.md, "Block kernels at every row count"), so every forward runs
+    them, prefill chunks and wide verifies included, and a row's result has the same bits
+    whatever else shares its forward. The AVX2 build's loop loses to the BLAS past
+    :data:`BLOCK_MAX_ROWS` rows."""
+    return None if kernel_available() and _tiled else BLOCK_MAX_ROWS
+
+
+def _kernel_rows(x: torch.Tensor, limit: int | None) -> int:
     """How many rows ``x`` [..., K] hands the kernel: its rows for a float32 CPU input of at
     most ``limit`` rows outside autograd, else 0 (the layer runs the BLAS)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows > limit or x.dtype != torch.float32 or x.device.type != "cpu"
+    if ((limit is not None and rows > limit) or x.dtype != torch.float32 or x.device.type != "cpu"
             or (torch.is_grad_enabled() and x.requires_grad)):
         return 0
     return rows
@@ -218,9 +233,10 @@ class SmallMLinear(nn.Linear):
 
 class BlockLinear(nn.Module):
     """A GGUF layer on its own Q4_0/Q4_1/Q8_0 blocks, for float32 on an AVX2 CPU: inputs of at
-    most :data:`BLOCK_MAX_ROWS` rows run ``speclm::small_m_blocks`` on the file's codes, scales and
-    minimums; longer ones (a prefill) multiply the blocks' float32 weights, decoded for the
-    call (``speclm::dequantize_blocks``, gguf-py's values exactly), with the BLAS.
+    most :func:`block_max_rows` rows (any number on AVX-512 VNNI / AMX builds with 8-bit
+    activations, :data:`BLOCK_MAX_ROWS` otherwise) run the kernel on the file's codes, scales and
+    minimums; longer ones (a prefill on an AVX2 CPU) multiply the blocks' float32 weights, decoded
+    for the call (``speclm::dequantize_blocks``, gguf-py's values exactly), with the BLAS.
 
     ``codes``: uint8 [N, K/32 * 16] (4-bit, the file's nibble order) or [N, K] (8-bit, int8
     codes as bytes); ``scale``: float32 [N, K/32]; ``minimum``: float32 [N, K/32] for Q4_1,
@@ -281,7 +297,7 @@ class BlockLinear(nn.Module):
         return torch.ops.speclm.dequantize_blocks(self.codes, self.scale, self.minimum, self.bits)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _kernel_rows(x, BLOCK_MAX_ROWS)
+        rows = _kernel_rows(x, block_max_rows() if self.activations == "q8" else BLOCK_MAX_ROWS)
         if rows:
             y = torch.ops.speclm.registered_blocks(x.reshape(rows, x.shape[-1]), self.handle,
                                                    self.activations == "q8")  # [rows, N]

@@ -10,7 +10,9 @@
 // - vnni_groups (AVX-512 VNNI), for few rows: one vpdpbusd adds a tile row's 4 inputs to all 16
 //   dots at once, so 8 instructions a block and activation row for 16 weight rows and no
 //   horizontal sums (small_m_q8.cpp's AVX2 loop needs ~7 a block for each weight row);
-// - tile_groups (AMX), from kAmxMinRows rows: one tile instruction for up to 16 activation rows.
+// - tile_groups (AMX), from kAmxMinRows rows: one tile instruction for up to 16 activation rows,
+//   two groups of 16 weight rows at a time (their blocks unpacked once for all activation rows),
+//   one block's products running while the previous block's sums are scaled (two tile sets).
 // Each (row, weight row) output is then scaled and summed over blocks in input order by the same
 // float32 operations (scale_block):
 //     y[r, n] = fma-chain over b of float(dot[r, n, b]) * (d_w[n, b] * d_x[r, b])
@@ -115,19 +117,28 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tile 0: int32 sums [M, 16]; tile 1: activations [M, 32 bytes]; tile 2: weights [8, 64 bytes].
+// GCC's tile intrinsics are volatile asm that tell the compiler nothing about the memory they read
+// or write (the tile configuration, the weight buffer, the sums): this barrier keeps the C++ loads
+// and stores of that memory on their side of the tile instructions.
+inline void memory_fence() { __asm__ __volatile__("" ::: "memory"); }
+
+// Two sets of tiles, used in turn from block to block so that one block's products run while the
+// other's sums are scaled: set A = sums 0 and 3 (two groups of 16 weight rows), activations 1;
+// set B = sums 5 and 6, activations 7; weights 2 and 4 (one tile per group). Sums [M, 16] int32,
+// activations [M, 32 bytes], weights [8, 64 bytes].
 void configure(int64_t M) {
   TileConfig cfg;
-  cfg.colsb[0] = 64, cfg.rows[0] = static_cast<uint8_t>(M);
-  cfg.colsb[1] = 32, cfg.rows[1] = static_cast<uint8_t>(M);
-  cfg.colsb[2] = 64, cfg.rows[2] = 8;
+  for (int t : {0, 3, 5, 6}) cfg.colsb[t] = 64, cfg.rows[t] = static_cast<uint8_t>(M);
+  for (int t : {1, 7}) cfg.colsb[t] = 32, cfg.rows[t] = static_cast<uint8_t>(M);
+  for (int t : {2, 4}) cfg.colsb[t] = 64, cfg.rows[t] = 8;
+  memory_fence();
   _tile_loadconfig(&cfg);
+  memory_fence();
 }
 
 // the 8 x 64-byte weight tile of one block of 16 weight rows, into buf (4-bit: unpacked)
 template <int Bits, bool Signed>
-inline const int8_t* weight_tile(const uint8_t* p, int8_t* buf) {
-  if (Bits == 8) return reinterpret_cast<const int8_t*>(p);
+inline void weight_tile(const uint8_t* p, int8_t* buf) {
   const __m512i eight = _mm512_set1_epi8(8);
   for (int i = 0; i < 4; ++i) {
     __m512i a, b;
@@ -136,40 +147,95 @@ inline const int8_t* weight_tile(const uint8_t* p, int8_t* buf) {
     _mm512_store_si512(buf + 128 * i, a);
     _mm512_store_si512(buf + 128 * i + 64, b);
   }
-  return buf;
 }
+
+struct alignas(64) WeightTile {
+  int8_t bytes[512];
+};
+
+// The nb weight tiles of one group (512 bytes each, in block order), ready to load: 8-bit codes are
+// stored as tiles already; 4-bit ones are unpacked into `buf` once for all the group's activation rows.
+template <int Bits, bool Signed>
+const int8_t* group_tiles(const uint8_t* codes, int64_t nb, WeightTile* buf) {
+  if (Bits == 8) return reinterpret_cast<const int8_t*>(codes);
+  for (int64_t b = 0; b < nb; ++b) weight_tile<Bits, Signed>(codes + b * 256, buf[b].bytes);
+  return buf[0].bytes;
+}
+
+// One block's products for up to two groups into one set of tiles (SUM0, SUM1, ACT). The tile
+// intrinsics take their tile numbers as literal register names, hence a macro for the two sets.
+#define SPECLM_BLOCK_PRODUCTS(NAME, SUM0, SUM1, ACT)                                  \
+  template <bool Signed>                                                              \
+  inline void NAME(const int8_t* x, int64_t K, const int8_t* w0, const int8_t* w1) {  \
+    _tile_zero(SUM0);                                                                 \
+    _tile_loadd(ACT, x, K);                                                           \
+    _tile_loadd(2, w0, 64);                                                           \
+    if (Signed) _tile_dpbssd(SUM0, ACT, 2);                                           \
+    else _tile_dpbsud(SUM0, ACT, 2); /* Q4_1: unsigned codes */                       \
+    if (w1 != nullptr) {                                                              \
+      _tile_zero(SUM1);                                                               \
+      _tile_loadd(4, w1, 64);                                                         \
+      if (Signed) _tile_dpbssd(SUM1, ACT, 4);                                         \
+      else _tile_dpbsud(SUM1, ACT, 4);                                                \
+    }                                                                                 \
+  }
+SPECLM_BLOCK_PRODUCTS(products_a, 0, 3, 1)
+SPECLM_BLOCK_PRODUCTS(products_b, 5, 6, 7)
+#undef SPECLM_BLOCK_PRODUCTS
 
 template <int Bits, bool Signed>
 void tile_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K,
                  const speclm::TileLayer& w, int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = K / 32, bytes = Bits == 4 ? 256 : 512;
-  alignas(64) int8_t buf[512];
-  alignas(64) int32_t sums[kTileRows][kCols];
+  thread_local std::vector<WeightTile> buf;
+  buf.resize(Bits == 4 ? 2 * nb : 0);
+  alignas(64) int32_t sums[2][kTileRows][kCols];
   const uint8_t* codes = w.codes.data_ptr<uint8_t>();
   const float* scale = w.scale.data_ptr<float>();
   const float* minimum = w.minimum.has_value() ? w.minimum->data_ptr<float>() : nullptr;
-  for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
-    const int64_t rows = std::min(kTileRows, M - m0);
-    configure(rows);
-    for (int64_t g = g0; g < g1; ++g) {
-      __m512 acc[kTileRows], offset[kTileRows];
-      for (int64_t r = 0; r < rows; ++r) acc[r] = offset[r] = _mm512_setzero_ps();
+  int64_t configured = -1;
+  for (int64_t g = g0; g < g1; g += 2) {  // two groups of 16 weight rows at a time
+    const int64_t groups = std::min<int64_t>(2, g1 - g);
+    const int8_t* wt[2] = {group_tiles<Bits, Signed>(codes + g * nb * bytes, nb, buf.data()), nullptr};
+    if (groups == 2) wt[1] = group_tiles<Bits, Signed>(codes + (g + 1) * nb * bytes, nb, buf.data() + nb);
+    memory_fence();  // the unpacked tiles are in memory before a tile load reads them
+    auto products = [&](int64_t b, int64_t m0, bool set_a) {
+      const int8_t* x = qx + m0 * K + b * 32;
+      const int8_t* w1 = groups == 2 ? wt[1] + b * 512 : nullptr;
+      if (set_a) products_a<Signed>(x, K, wt[0] + b * 512, w1);
+      else products_b<Signed>(x, K, wt[0] + b * 512, w1);
+    };
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {
+      const int64_t rows = std::min(kTileRows, M - m0);
+      if (rows != configured) configure(rows), configured = rows;
+      __m512 acc[2][kTileRows], offset[2][kTileRows];
+      for (int64_t p = 0; p < groups; ++p)
+        for (int64_t r = 0; r < rows; ++r) acc[p][r] = offset[p][r] = _mm512_setzero_ps();
+      products(0, m0, true);
       for (int64_t b = 0; b < nb; ++b) {
-        const int8_t* tile = weight_tile<Bits, Signed>(codes + (g * nb + b) * bytes, buf);
-        _tile_zero(0);
-        _tile_loadd(1, qx + m0 * K + b * 32, K);
-        _tile_loadd(2, tile, 64);
-        if (Signed) _tile_dpbssd(0, 1, 2);
-        else _tile_dpbsud(0, 1, 2);  // Q4_1: unsigned codes
-        _tile_stored(0, sums, 64);
-        const __m512 ws = _mm512_loadu_ps(scale + (g * nb + b) * kCols);
-        const float* wm = minimum != nullptr ? minimum + (g * nb + b) * kCols : nullptr;
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t i = (m0 + r) * nb + b;
-          scale_block(_mm512_load_si512(sums[r]), ws, wm, dx[i], sx[i], acc[r], offset[r]);
+        const bool set_a = b % 2 == 0;
+        if (b + 1 < nb) products(b + 1, m0, !set_a);  // the next block's products, while this one's are scaled
+        memory_fence();  // the last block's sums are read before these overwrite them
+        if (set_a) {
+          _tile_stored(0, sums[0], 64);
+          if (groups == 2) _tile_stored(3, sums[1], 64);
+        } else {
+          _tile_stored(5, sums[0], 64);
+          if (groups == 2) _tile_stored(6, sums[1], 64);
+        }
+        memory_fence();  // ... and read after they are written
+        for (int64_t p = 0; p < groups; ++p) {
+          const int64_t at = ((g + p) * nb + b) * kCols;
+          const __m512 ws = _mm512_loadu_ps(scale + at);
+          const float* wm = minimum != nullptr ? minimum + at : nullptr;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t i = (m0 + r) * nb + b;
+            scale_block(_mm512_load_si512(sums[p][r]), ws, wm, dx[i], sx[i], acc[p][r], offset[p][r]);
+          }
         }
       }
-      store_rows(acc, offset, rows, y + m0 * ldy + g * kCols, ldy, std::min(kCols, w.N - g * kCols));
+      for (int64_t p = 0; p < groups; ++p)
+        store_rows(acc[p], offset[p], rows, y + m0 * ldy + (g + p) * kCols, ldy, std::min(kCols, w.N - (g + p) * kCols));
     }
   }
   _tile_release();
