@@ -352,3 +352,19 @@ def test_attention_kernel_keeps_a_nan_score_nan(cpu_kernel):
     assert torch.isnan(cpu_kernel.small_m_attention(query, key, value, None, 0.25)).all()
     assert torch.isnan(F.scaled_dot_product_attention(query, key.expand(1, 2, 40, 16), value.expand(1, 2, 40, 16),
                                                       scale=0.25)).all()
+
+
+def test_an_unknown_isa_request_is_named_and_ignored(monkeypatch, caplog):
+    """SPECLM_CPU_ISA picks a lower build to compare; a value it does not know is said, not dropped
+    silently, and the build follows the CPU."""
+    monkeypatch.delenv(small_m.ISA_ENV, raising=False)
+    found = small_m.isa()
+    monkeypatch.setenv(small_m.ISA_ENV, "avx9000")
+    with caplog.at_level("WARNING", logger=small_m.__name__):
+        assert small_m.isa() == found
+    assert "avx9000" in caplog.text and "avx2" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv(small_m.ISA_ENV, "avx2")
+    with caplog.at_level("WARNING", logger=small_m.__name__):
+        assert small_m.isa() == "avx2"
+    assert caplog.text == ""

@@ -329,7 +329,7 @@ class LlamaCppLM:
             self.forward(tokens, 0)
 
     def reset(self) -> None:
-        self.lc.llama_memory_clear(self.mem, True)
+        self.lc.llama_memory_clear(self.mem, False)  # the cells; their stale data is never read
         self._length = 0
         self._tree_seqs = 0
         self._tokens = []

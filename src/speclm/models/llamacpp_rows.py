@@ -210,7 +210,9 @@ class LlamaCppRows:
         self._seq[slot], self._length[slot] = None, 0
 
     def clear(self) -> None:
-        self.lc.llama_memory_clear(self.mem, True)
+        # the cells only: zeroing the 16 streams' buffers as well (data=True) took 0.36 s, paid
+        # by every request that left the server idle; masked empty cells are never read
+        self.lc.llama_memory_clear(self.mem, False)
         self._seq = [None] * self.num_slots
         self._length = [0] * self.num_slots
 

@@ -77,6 +77,9 @@ def isa() -> str:
             found = "amx"
     wanted = os.environ.get(ISA_ENV, "")
     order = list(_ISA_FLAGS)
+    if wanted and wanted not in order:
+        log.warning("speclm: %s=%r is not one of %s; building for this CPU's %s", ISA_ENV, wanted,
+                    ", ".join(order), found)
     return wanted if wanted in order and order.index(wanted) < order.index(found) else found
 
 
