@@ -8,13 +8,15 @@ not, and this script measures it for the model at hand (median of ``--reps`` run
     python benchmarks/step_cost.py --compile --quantize gguf      # the compiled path
     python benchmarks/step_cost.py --compile --quantize gguf --activations q8,float
     python benchmarks/step_cost.py --compile --quantize gguf --groups on,off
+    python benchmarks/step_cost.py --compile --quantize gguf --wrapper python,cpp
 
 ``SPECLM_CPU_KERNEL=0`` runs float32 layers on torch's own products instead of speclm's small-M
 kernels (models/small_m.py), for a before/after on the same machine; ``--attention sdpa`` keeps
 those for the linear layers but runs attention on PyTorch's SDPA; ``SPECLM_GGUF_ACTIVATIONS=float``
 runs a GGUF's blocks on float activations instead of llama.cpp's 8-bit ones; ``--groups off``
 compiles one kernel call per GGUF layer instead of one per set of layers reading the same input
-(models/block_groups.py).
+(models/block_groups.py); ``--wrapper python`` compiles the step's wrapper in Python instead of C++
+(models/c_shims.py).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 
 import torch
 
-from speclm.models import block_groups, load_model
+from speclm.models import block_groups, c_shims, load_model
 
 
 def main() -> None:
@@ -46,23 +48,31 @@ def main() -> None:
     ap.add_argument("--groups", default=None,
                     help="with --compile --quantize gguf: on, off or both (on,off): GGUF layers reading "
                          "the same input in one kernel call or one call each; one model each, interleaved")
+    ap.add_argument("--wrapper", default=None,
+                    help="with --compile: python, cpp or both (python,cpp): the compiled step's wrapper in "
+                         "Python or in C++ calling speclm's ops directly; one model each, interleaved")
     args = ap.parse_args()
-    if args.activations and args.groups:
-        ap.error("--activations and --groups each make the variants: give one of them")
+    if sum(bool(v) for v in (args.activations, args.groups, args.wrapper)) > 1:
+        ap.error("--activations, --groups and --wrapper each make the variants: give one of them")
     if args.groups and not set(args.groups.split(",")) <= {"on", "off"}:
         ap.error(f"--groups takes on, off or on,off, got {args.groups!r}")
+    if args.wrapper and not set(args.wrapper.split(",")) <= {"python", "cpp"}:
+        ap.error(f"--wrapper takes python, cpp or python,cpp, got {args.wrapper!r}")
     if args.attention == "sdpa":
         from speclm.models import attention
 
         attention.KERNEL_MAX_QUERIES = 0
     variants = {}
     settings = ([("activations", a) for a in args.activations.split(",")] if args.activations else
-                [("groups", g) for g in args.groups.split(",")] if args.groups else [(None, None)])
+                [("groups", g) for g in args.groups.split(",")] if args.groups else
+                [("wrapper", w) for w in args.wrapper.split(",")] if args.wrapper else [(None, None)])
     for kind, value in settings:
         if kind == "activations":
             os.environ["SPECLM_GGUF_ACTIVATIONS"] = value  # read when the layers are built
         if kind == "groups":
             block_groups.GROUPING = value == "on"  # read when the graphs compile (warmup)
+        if kind == "wrapper":
+            c_shims.CPP_WRAPPER = value == "cpp"  # read when the step is built
         lm = load_model(args.model, backend="torch", compile=args.compile, quantize=args.quantize,
                         dtype=args.dtype).backend
         if hasattr(lm, "warmup"):

@@ -197,7 +197,7 @@ def test_server_batches_rows_on_the_compiled_path(model_dirs, monkeypatch):
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         assert answers[i].choices[0].text == solo.generate(prompt * 2, params, speculative=False)[0].text
-    assert warmed == 3 * 2  # rows 1, 2, 4 x tokens 1, 4 (K = 3)
-    assert graphs[0] == {(r, t, 288) for r in (1, 2, 4) for t in (1, 4)}  # 256 positions + 32
+    assert warmed == 3 * 3  # rows 1, 2, 4 x tokens 1, 2, 4 (K = 3)
+    assert graphs[0] == {(r, t, 288) for r in (1, 2, 4) for t in (1, 2, 4)}  # 256 positions + 32
     assert max(widths[warmed:]) > 1  # rows shared a compiled step
     assert len(steps) == 1 and {key for key in steps[0].seen if len(key) == 3} == graphs[0]  # none compiled later

@@ -274,9 +274,9 @@ def test_grouped_block_layers_give_each_layer_s_own_bits(cpu_kernel):
     handles = [layer.handle for layer in layers]
     for m in (1, 3, 4, 9, 32):
         x = torch.randn(m, 96, generator=gen)
-        grouped = cpu_kernel.registered_blocks_group(x, handles)
-        assert [tuple(y.shape) for y in grouped] == [(m, layer.out_features) for layer in layers]
-        for y, handle in zip(grouped, handles):
+        grouped = cpu_kernel.registered_blocks_group(x, handles)  # [m, 40 + 24 + 56]
+        assert tuple(grouped.shape) == (m, sum(layer.out_features for layer in layers))
+        for y, handle in zip(grouped.split([layer.out_features for layer in layers], 1), handles):
             assert torch.equal(y, cpu_kernel.registered_blocks(x, handle, True))
     other = _block_layers(gen, 64)[0]
     with pytest.raises(RuntimeError, match="input size"):
@@ -301,7 +301,7 @@ def test_the_graph_pass_groups_calls_on_one_input_and_keeps_the_results(cpu_kern
     def layer_step(x):  # [1, 2, 96]
         a, b, c = block(x, q), block(x, k), block(x, v)
         h = torch.cat([a, b, c[:, :32]], -1)  # [2, 40 + 24 + 32]: another input
-        return a.sum() + b.sum() + c.sum(), block(h, down), block(x, q, q8=False)
+        return a, b, c, block(h, down), block(x, q, q8=False)
 
     x = torch.randn(1, 2, 96, generator=gen)
     gm = make_fx(layer_step)(x)
@@ -340,6 +340,45 @@ def test_a_compiled_step_groups_the_calls_and_computes_the_same_bits(cpu_kernel,
         got = torch.compile(module, dynamic=False, options=options)(x)
         assert torch.equal(got, module(x))
     assert removed == [2]
+
+
+def test_the_compiled_wrapper_calls_every_op_through_its_c_entry_point(cpu_kernel, monkeypatch):
+    """The compiled step's wrapper is C++ (models/c_shims.py): each of speclm's ops is called
+    through its entry point in small_m_shims.cpp, none through Python, and the compiled result
+    has the bits of the ops run one by one (optional tensors given and left out, a bool, a list)."""
+    from torch._inductor.utils import run_and_get_cpp_code
+
+    from speclm.models import c_shims, compiled
+
+    monkeypatch.setattr(c_shims, "CPP_WRAPPER", True)  # the default, whatever SPECLM_CPP_WRAPPER says
+    options = dict(compiled.compile_options("inductor", None, False), fx_graph_cache=False)
+    assert options.get("cpp_wrapper") is True
+    gen = torch.Generator().manual_seed(14)
+    q, k, v = _block_layers(gen, 96)
+    weight = torch.randn(24, 96, generator=gen)
+    query, key, value = (torch.randn(1, 3, 2, 16, generator=gen), torch.randn(1, 1, 40, 16, generator=gen),
+                         torch.randn(1, 1, 40, 16, generator=gen))
+    mask = torch.zeros(1, 1, 2, 40)
+    mask[..., 30:] = torch.finfo(torch.float32).min
+
+    def step(x):  # [2, 96]
+        ops = torch.ops.speclm
+        qkv = [ops.registered_blocks(x, layer.handle, True) for layer in (q, k, v)]  # grouped by the pass
+        return (*qkv, ops.registered_blocks(x, q.handle, False), ops.small_m_mm(x, weight),
+                ops.small_m_blocks(x, k.codes, k.scale, k.minimum, k.bits),
+                ops.small_m_blocks_q8(x, q.codes, q.scale, q.minimum, q.bits),
+                ops.dequantize_blocks(v.codes, v.scale, v.minimum, v.bits) * 2,
+                ops.small_m_attention(query * x[0, 0], key, value, mask, 0.25),
+                ops.small_m_attention(query, key, value, None, 0.25))
+
+    x = torch.randn(2, 96, generator=gen)
+    with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
+        got, code = run_and_get_cpp_code(torch.compile(step, dynamic=False, options=options), x)
+    for a, b in zip(got, step(x), strict=True):
+        assert torch.equal(a, b)
+    assert "PyObject_CallObject" not in code  # no op went back through Python
+    for name in c_shims.DECLARATIONS:
+        assert f"aoti_torch_cpu_{name}(" in code, name
 
 
 def test_attention_kernel_keeps_a_nan_score_nan(cpu_kernel):

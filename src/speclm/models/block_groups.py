@@ -7,8 +7,9 @@ pays its own dispatch from the graph's Python wrapper, its own output allocation
 quantization of the same activations and its own fork and join of the threads: about 6-10 us that
 a 10-100 us product does not hide. :class:`GroupBlockCalls` is an inductor graph pass (PyTorch's
 ``post_grad_custom_pre_pass`` hook) that rewrites every set of such calls on one input into one
-``speclm::registered_blocks_group`` call (four calls a layer), which quantizes the input once and
-runs all the layers' weight rows in one parallel loop. Each output has the bits of its own call
+``speclm::registered_blocks_group`` call (four calls a layer), which quantizes the input once,
+runs all the layers' weight rows in one parallel loop and writes one output whose column slices
+(views, no copies) are the layers' outputs. Each output has the bits of its own call
 (the same per-row arithmetic), so the rewrite changes speed, never results; the model's code is
 not touched (no forked model file), and eager forwards run one call per layer as before.
 
@@ -19,7 +20,6 @@ before/after in one process (``benchmarks/step_cost.py --groups on,off``).
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -35,6 +35,16 @@ def _input_key(node: Any) -> Any:
             and node.target in (torch.ops.aten.view.default, torch.ops.aten.reshape.default)):
         return ("view", node.args[0], tuple(node.args[1]))
     return node
+
+
+def _block_rows(node: torch.fx.Node) -> int:
+    """The output columns of one ``registered_blocks`` call (its layer's weight rows)."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return int(val.shape[-1])
+    from . import small_m
+
+    return small_m._block_rows[node.args[1]]
 
 
 def group_block_calls(graph: torch.fx.Graph) -> int:
@@ -55,11 +65,16 @@ def group_block_calls(graph: torch.fx.Graph) -> int:
         first = nodes[0]  # the first call's input is defined before every call of the set
         with graph.inserting_before(first):
             grouped = graph.call_function(group, (first.args[0], [n.args[1] for n in nodes]))
-            grouped.meta["val"] = [n.meta.get("val") for n in nodes]
-            for i, node in enumerate(nodes):
-                out = graph.call_function(operator.getitem, (grouped, i))
+            vals = [n.meta.get("val") for n in nodes]
+            if all(isinstance(v, torch.Tensor) for v in vals):  # [M, N_0 + N_1 + ...]
+                grouped.meta["val"] = vals[0].new_empty(vals[0].shape[0], sum(v.shape[-1] for v in vals))
+            column = 0
+            for node in nodes:  # each layer's columns of the one output: a view, no copy
+                width = _block_rows(node)
+                out = graph.call_function(torch.ops.aten.slice.Tensor, (grouped, 1, column, column + width))
                 out.meta.update(node.meta)
                 node.replace_all_uses_with(out)
+                column += width
         for node in nodes:
             source = node.args[0]
             graph.erase_node(node)

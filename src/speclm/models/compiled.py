@@ -10,7 +10,9 @@
   length (a chain: causal over the filled slots; a tree: speclm.tree's mask), so chains and
   trees share one compiled step and the model's own mask code never runs;
 * the step is compiled with ``torch.compile(dynamic=False)``; the tokens fed are padded up to a
-  few fixed counts (``buckets``, default 1, 4, 8, 16, 32) so there are few recompiles. Padded
+  few fixed counts (``buckets``, default 1, 2, 4, 8, 16, 32; on a CPU a step's cost grows with its
+  rows, and a 2-token verify, the commonest, costs ~1.15 one-token steps where 4 cost ~1.4) so
+  there are few recompiles. Padded
   rows write into the slots after the real ones, which are masked and later overwritten. The
   cache length comes in buckets too (static_cache.capacity_buckets); each pair (tokens,
   capacity) is one compiled graph, which ``warmup`` compiles up front;
@@ -43,15 +45,21 @@ import torch
 
 from ..errors import SpeclmError
 from ..tree import TreeMeta
+from . import c_shims
 from .attention import MASKED_4D
 from .base import ForwardOutput, spread_hidden
 from .block_groups import GroupBlockCalls
 from .dtypes import cast_keeping_rotary
 from .hf_kwargs import cache_kwarg
 from .kv_cache import check_forward
-from .static_cache import StaticKVCache, capacity_buckets, static_allowed, static_positions
+from .static_cache import (
+    StaticKVCache,
+    capacity_buckets,
+    static_allowed,
+    static_positions,
+)
 
-DEFAULT_BUCKETS = (1, 4, 8, 16, 32)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 PREFILL_CHUNK = 512  # eager prefill runs in chunks of this many tokens (bounds the mask's size)
 
 
@@ -107,6 +115,9 @@ def compile_options(backend: str, mode: str | None, freeze: bool) -> dict | None
         # weights must not change after compiling (inference only), and a frozen graph skips
         # inductor's on-disk cache, so every process compiles it again.
         options["freezing"] = True
+    else:
+        # the step's wrapper in C++, calling speclm's ops directly (models/c_shims.py)
+        options.update(c_shims.wrapper_options())
     return options
 
 

@@ -78,9 +78,10 @@ std::atomic<bool>& tiles_on();
 bool enable_tiles(bool use_amx);
 TileLayer tile_layer(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
                      int64_t bits);
-// y [M, N] weight-row groups g0 .. g1 - 1 (columns 16 g0 .. 16 g1 - 1) = 8-bit activations (codes qx
-// [M, K], scales dx, scaled sums sx [M, K / 32], as small_m_q8.cpp quantizes them) times the layer.
+// y [M, N] (rows ldy floats apart) weight-row groups g0 .. g1 - 1 (columns 16 g0 .. 16 g1 - 1) =
+// 8-bit activations (codes qx [M, K], scales dx, scaled sums sx [M, K / 32], as small_m_q8.cpp
+// quantizes them) times the layer.
 void tile_product(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K, const TileLayer& w,
-                  int64_t g0, int64_t g1, float* y);
+                  int64_t g0, int64_t g1, float* y, int64_t ldy);
 
 }  // namespace speclm

@@ -25,6 +25,7 @@ CPU lacks AVX2/FMA, or ``SPECLM_CPU_KERNEL=0``, every layer runs ``F.linear`` as
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import logging
@@ -44,7 +45,8 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 16  # float weights: MKL's product is as fast at 16 rows and faster beyond
 BLOCK_MAX_ROWS = 32  # a GGUF's blocks on the AVX2 build (and float activations): beyond, the BLAS is cheaper
 SOURCES = tuple(Path(__file__).with_name(n)
-                for n in ("small_m.cpp", "small_m_attention.cpp", "small_m_q8.cpp", "small_m_tiles.cpp"))
+                for n in ("small_m.cpp", "small_m_attention.cpp", "small_m_q8.cpp", "small_m_tiles.cpp",
+                          "small_m_shims.cpp"))
 HEADER = Path(__file__).with_name("small_m.h")
 ENV = "SPECLM_CPU_KERNEL"  # "0" turns the kernel off
 ISA_ENV = "SPECLM_CPU_ISA"  # "avx2" or "avx512-vnni": those kernels even where the CPU has more
@@ -54,6 +56,7 @@ _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _tiled = False  # the loaded build repacks block layers for AVX-512 VNNI / AMX (small_m_tiles.cpp)
 _enabled = True
+_shims = False  # the loaded build's C entry points are visible to a compiled step's C++ wrapper
 
 
 def _cpu_has_avx2() -> bool:
@@ -110,6 +113,11 @@ def kernel_available() -> bool:
     return _loaded and _enabled
 
 
+def shims_available() -> bool:
+    """Whether a compiled step's C++ wrapper can call the kernels' ops directly (models/c_shims.py)."""
+    return kernel_available() and _shims
+
+
 def _load() -> bool:
     if os.environ.get(ENV, "1") == "0" or not _cpu_has_avx2():
         return False
@@ -153,6 +161,13 @@ def _build(level: str) -> None:
     load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(HEADER.parent)],
          extra_ldflags=["-fopenmp"], is_python_module=False,
          extra_cflags=["-O3", *flags, "-ffp-contract=off", "-fopenmp"], verbose=False)
+    # the ops' C entry points (small_m_shims.cpp) are what a compiled step's C++ wrapper links
+    # against when it is loaded: make the library's symbols visible to libraries loaded later
+    library = Path(_build_directory(name, False)) / f"{name}.so"
+    if library.exists():
+        ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL | os.RTLD_NOW)
+        global _shims
+        _shims = True
 
 
 def _register_fake() -> None:
@@ -175,8 +190,8 @@ def _register_fake() -> None:
     def fake_registered(x: torch.Tensor, handle: int, q8: bool) -> torch.Tensor:
         return x.new_empty(x.shape[0], _block_rows[handle])
 
-    def fake_group(x: torch.Tensor, handles: list[int]) -> list[torch.Tensor]:
-        return [x.new_empty(x.shape[0], _block_rows[h]) for h in handles]
+    def fake_group(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
+        return x.new_empty(x.shape[0], sum(_block_rows[h] for h in handles))
 
     for name, function in (("speclm::small_m_mm", fake), ("speclm::small_m_blocks", fake_blocks),
                            ("speclm::small_m_blocks_q8", fake_blocks),

@@ -1,4 +1,5 @@
-// speclm: attention of a few query rows over a key/value cache, float32, for CPUs with AVX2+FMA.
+// speclm: attention of a few query rows over a key/value cache, float32, for CPUs with AVX2+FMA
+// (the weighted values on AVX-512 where the build has it).
 //
 // A decoding step or a verify asks attention for 1 to a few dozen query rows over a cache of
 // hundreds of slots. PyTorch's SDPA, traced into a compiled step over a static cache, reads the
@@ -8,8 +9,8 @@
 //
 // Every (batch row, head, query row) is computed on its own in one fixed order (scores over the
 // visible slots in ascending order, the maximum, the exponentials (a vectorized polynomial) summed
-// in 8 lanes in slot order, the values accumulated in slot order in registers), so a query row's output has the same bits whether it is
-// alone in a step or among others in a verify.
+// in 8 lanes in slot order, the values accumulated in registers in a fixed order of the slots), so
+// a query row's output has the same bits whether it is alone in a step or among others in a verify.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -17,7 +18,6 @@
 #include <cmath>
 #include <limits>
 #include <memory>
-#include <vector>
 
 #include "small_m.h"
 
@@ -37,12 +37,33 @@ inline float dot(const float* a, const float* b, int64_t D) {
 
 // q . k[slot[j]] for 8 slots at once (head size a multiple of 8): one accumulator per slot, then
 // the 8 sums reduced together (horizontal adds): a fixed order for each slot, whatever its batch.
+// A slice of q is loaded once for the 8 slots. With AVX-512 (head size a multiple of 16) each
+// slot's accumulator has 16 lanes, folded to 8 before the same horizontal adds.
 inline __m256 dot8(const float* q, const float* k, int64_t stride, const int64_t* slot, int64_t D) {
+  const float* kj[8];
+  for (int j = 0; j < 8; ++j) kj[j] = k + slot[j] * stride;
   __m256 a[8];
-  for (int j = 0; j < 8; ++j) {
-    const float* kj = k + slot[j] * stride;
-    a[j] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(kj));
-    for (int64_t d = 8; d < D; d += 8) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(kj + d), a[j]);
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 w[8];
+    const __m512 q0 = _mm512_loadu_ps(q);
+    for (int j = 0; j < 8; ++j) w[j] = _mm512_mul_ps(q0, _mm512_loadu_ps(kj[j]));
+    for (int64_t d = 16; d < D; d += 16) {
+      const __m512 qd = _mm512_loadu_ps(q + d);
+      for (int j = 0; j < 8; ++j) w[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kj[j] + d), w[j]);
+    }
+    for (int j = 0; j < 8; ++j)
+      a[j] = _mm256_add_ps(_mm512_castps512_ps256(w[j]),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[j]), 1)));
+  } else
+#endif
+  {
+    const __m256 q0 = _mm256_loadu_ps(q);
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[j]));
+    for (int64_t d = 8; d < D; d += 8) {
+      const __m256 qd = _mm256_loadu_ps(q + d);
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj[j] + d), a[j]);
+    }
   }
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
@@ -121,9 +142,38 @@ inline float exponentials(const float* score, int64_t n, float top, float* e) {
   return speclm::reduce(total);
 }
 
-// out[D] = sum over j of e[j] * v[seen[j]] / total, in slot order, 32 outputs at a time in registers.
+// out[D] = sum over j of e[j] * v[seen[j]] / total, each output the same chain of fused
+// multiply-adds whatever else runs. With AVX-512 (D a multiple of 16, at most 128): all of D in
+// one pass, the slots split into two interleaved chains (even and odd j, added at the end), so
+// one slot's adds do not wait on the previous slot's; otherwise 32 outputs at a time, one chain
+// in slot order.
 inline void weighted_values(const float* e, const int64_t* seen, int64_t n, float total, const float* v,
                             int64_t stride, float* out, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0 && D <= 128) {
+    const int64_t c = D / 16;
+    __m512 even[8], odd[8];
+    for (int64_t i = 0; i < c; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {
+      const float* r0 = v + seen[j] * stride;
+      const float* r1 = v + seen[j + 1] * stride;
+      const __m512 p0 = _mm512_set1_ps(e[j]), p1 = _mm512_set1_ps(e[j + 1]);
+      for (int64_t i = 0; i < c; ++i) {
+        even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * i), even[i]);
+        odd[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(r1 + 16 * i), odd[i]);
+      }
+    }
+    if (j < n) {
+      const float* r0 = v + seen[j] * stride;
+      const __m512 p0 = _mm512_set1_ps(e[j]);
+      for (int64_t i = 0; i < c; ++i) even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * i), even[i]);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / total);
+    for (int64_t i = 0; i < c; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), inv));
+    return;
+  }
+#endif
   const __m256 inv = _mm256_set1_ps(1.0f / total);
   int64_t d = 0;
   for (; d + 32 <= D; d += 32) {
@@ -184,37 +234,36 @@ at::Tensor small_m_attention(const at::Tensor& query, const at::Tensor& key, con
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
 
-  // each (batch row, query row)'s visible slots and their mask's bias, found once for all heads
-  const at::Tensor slots = at::empty({B * T, L}, query.options().dtype(at::kLong));
-  const at::Tensor biases = at::empty({B * T, L}, query.options());
-  std::vector<int64_t> count(B * T);
-  int64_t* const slot_p = slots.data_ptr<int64_t>();
-  float* const bias_p = biases.data_ptr<float>();
-  at::parallel_for(0, B * T, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / T, t = r % T;
-      count[r] = visible(mp == nullptr ? nullptr : mp + b * ms0 + t * ms2, mb == nullptr ? nullptr : mb + b * ms0 + t * ms2,
-                         ms3, masked ? L : L - T + t + 1, slot_p + r * L, bias_p + r * L);
-    }
-  });
-
-  at::parallel_for(0, B * H * T, 1, [&](int64_t i0, int64_t i1) {
-    std::unique_ptr<float[]> score(new float[L]), weight(new float[L]);  // no zeroing: written first
+  // one parallel loop over (batch row, query row, head), heads innermost: a thread finds a query
+  // row's visible slots and their mask's bias once for the heads it takes of that row
+  at::parallel_for(0, B * T * H, 1, [&](int64_t i0, int64_t i1) {
+    // no zeroing where each is written before it is read
+    std::unique_ptr<int64_t[]> seen(new int64_t[L]);
+    std::unique_ptr<float[]> bias(new float[L]), score(new float[L]), weight(new float[L]);
+    int64_t row = -1, n = 0;  // the (batch row, query row) whose slots are in seen[0, n)
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (H * T), h = (i / T) % H, t = i % T, g = h / group;
+      const int64_t b = i / (T * H), t = (i / H) % T, h = i % H, g = h / group;
+      if (i / H != row) {
+        row = i / H;
+        n = visible(mp == nullptr ? nullptr : mp + b * ms0 + t * ms2, mb == nullptr ? nullptr : mb + b * ms0 + t * ms2,
+                    ms3, masked ? L : L - T + t + 1, seen.get(), bias.get());
+      }
       const float* q = qp + b * query.stride(0) + h * query.stride(1) + t * query.stride(2);
       const float* k = kp + b * key.stride(0) + g * key.stride(1);
       const float* v = vp + b * value.stride(0) + g * value.stride(1);
-      const int64_t n = count[b * T + t];
-      const int64_t* seen = slot_p + (b * T + t) * L;
-      std::copy_n(bias_p + (b * T + t) * L, n, score.get());
+      float* o = op + ((b * T + t) * H + h) * D;
+      if (n == 0) {  // nothing visible: zeros
+        std::fill(o, o + D, 0.0f);
+        continue;
+      }
+      std::copy_n(bias.get(), n, score.get());
       float top = -std::numeric_limits<float>::infinity();
       int64_t j = 0;
       if (D % 8 == 0) {  // 8 slots at a time: score = dot * scale + bias (rounded as written)
         const __m256 scv = _mm256_set1_ps(sc);
         __m256 topv = _mm256_set1_ps(top);
         for (; j + 8 <= n; j += 8) {
-          const __m256 x = _mm256_add_ps(_mm256_mul_ps(dot8(q, k, key.stride(2), seen + j, D), scv),
+          const __m256 x = _mm256_add_ps(_mm256_mul_ps(dot8(q, k, key.stride(2), seen.get() + j, D), scv),
                                          _mm256_loadu_ps(score.get() + j));
           _mm256_storeu_ps(score.get() + j, x);
           topv = _mm256_max_ps(topv, x);
@@ -227,13 +276,8 @@ at::Tensor small_m_attention(const at::Tensor& query, const at::Tensor& key, con
         score[j] = dot(q, k + seen[j] * key.stride(2), D) * sc + score[j];
         top = std::max(top, score[j]);
       }
-      float* o = op + ((b * T + t) * H + h) * D;
-      if (n == 0) {  // nothing visible: zeros
-        std::fill(o, o + D, 0.0f);
-        continue;
-      }
       const float total = exponentials(score.get(), n, top, weight.get());
-      weighted_values(weight.get(), seen, n, total, v, value.stride(2), o, D);
+      weighted_values(weight.get(), seen.get(), n, total, v, value.stride(2), o, D);
     }
   });
   return out;

@@ -140,23 +140,23 @@ Quantized quantize(const at::Tensor& x) {
 }
 
 template <class Block>
-void q8_range(const Quantized& x, const Blocks& w, int64_t n0, int64_t n1, float* y) {
+void q8_range(const Quantized& x, const Blocks& w, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   const int64_t nb = x.K / 32, row_bytes = nb * Block::kBytes;
   speclm::row_groups(x.M, n0, n1, [&](auto R, int64_t m, int64_t n) {
     q8_rows<Block, decltype(R)::value>(x.q + m * x.K, x.d + m * nb, x.s + m * nb,
                                        w.codes + n * row_bytes, w.scale + n * nb,
-                                       w.minimum == nullptr ? nullptr : w.minimum + n * nb, nb, y + m * w.N + n, w.N);
+                                       w.minimum == nullptr ? nullptr : w.minimum + n * nb, nb, y + m * ldy + n, ldy);
   });
 }
 
-// y [M, N] columns n0 .. n1 - 1 = x times the weight rows n0 .. n1 - 1 of w.
-void q8_columns(const Quantized& x, const Blocks& w, int64_t n0, int64_t n1, float* y) {
+// y [M, N] (rows ldy floats apart) columns n0 .. n1 - 1 = x times the weight rows n0 .. n1 - 1 of w.
+void q8_columns(const Quantized& x, const Blocks& w, int64_t n0, int64_t n1, float* y, int64_t ldy) {
   if (w.bits == 4 && w.minimum == nullptr)
-    q8_range<Q40>(x, w, n0, n1, y);
+    q8_range<Q40>(x, w, n0, n1, y, ldy);
   else if (w.bits == 4)
-    q8_range<Q41>(x, w, n0, n1, y);
+    q8_range<Q41>(x, w, n0, n1, y, ldy);
   else
-    q8_range<Q80>(x, w, n0, n1, y);
+    q8_range<Q80>(x, w, n0, n1, y, ldy);
 }
 
 Blocks blocks_of(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
@@ -183,7 +183,7 @@ at::Tensor speclm::small_m_blocks_q8(const at::Tensor& x, const at::Tensor& code
   const Blocks w = blocks_of(cc, sc, mc, bits);
   at::Tensor y = at::empty({xq.M, w.N}, xc.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) { q8_columns(xq, w, n0, n1, yp); });
+  at::parallel_for(0, w.N, 16, [&](int64_t n0, int64_t n1) { q8_columns(xq, w, n0, n1, yp, w.N); });
   return y;
 }
 
@@ -230,21 +230,23 @@ BlockLayer registered(int64_t handle) {  // the caller holds registry_mutex
 
 // x times each of `layers` (all reading x), with 8-bit activations: x quantized once, all their
 // weight rows in one parallel loop; on the tile layout where the layers were repacked for it.
-std::vector<at::Tensor> q8_product(const at::Tensor& x, const std::vector<BlockLayer>& layers, const char* op) {
+// One output [M, N_0 + N_1 + ...]: layer i's columns follow layer i - 1's.
+at::Tensor q8_product(const at::Tensor& x, const std::vector<BlockLayer>& layers, const char* op) {
   check_rows(x, op);
   const at::Tensor xc = x.contiguous();
   const bool tiled = layers.front().tiles.has_value();
-  std::vector<at::Tensor> out;
-  std::vector<float*> y;  // out[i]'s data
+  std::vector<int64_t> column{0};  // layer i's first output column
   std::vector<int64_t> start{0};  // layer i's units (weight rows, or groups of 16 of them on tiles)
   for (const BlockLayer& layer : layers) {
     TORCH_CHECK(layer.scale.size(1) * 32 == xc.size(1), op, ": a layer's input size is ", layer.scale.size(1) * 32,
                 ", x has ", xc.size(1));
     TORCH_CHECK(layer.tiles.has_value() == tiled, op, ": layers registered with and without the tile layout");
-    out.push_back(at::empty({xc.size(0), layer.scale.size(0)}, xc.options()));
-    y.push_back(out.back().data_ptr<float>());
+    column.push_back(column.back() + layer.scale.size(0));
     start.push_back(start.back() + (tiled ? layer.tiles->groups : layer.scale.size(0)));
   }
+  at::Tensor out = at::empty({xc.size(0), column.back()}, xc.options());
+  float* const y = out.data_ptr<float>();
+  const int64_t ldy = column.back();
   std::vector<Blocks> blocks;
   if (!tiled)
     for (const BlockLayer& layer : layers) blocks.push_back(blocks_of(layer.codes, layer.scale, layer.minimum, layer.bits));
@@ -253,8 +255,8 @@ std::vector<at::Tensor> q8_product(const at::Tensor& x, const std::vector<BlockL
     for (size_t i = 0; i < layers.size(); ++i) {
       const int64_t lo = std::max(u0, start[i]) - start[i], hi = std::min(u1, start[i + 1]) - start[i];
       if (lo >= hi) continue;
-      if (tiled) speclm::tile_product(xq.q, xq.d, xq.s, xq.M, xq.K, *layers[i].tiles, lo, hi, y[i]);
-      else q8_columns(xq, blocks[i], lo, hi, y[i]);
+      if (tiled) speclm::tile_product(xq.q, xq.d, xq.s, xq.M, xq.K, *layers[i].tiles, lo, hi, y + column[i], ldy);
+      else q8_columns(xq, blocks[i], lo, hi, y + column[i], ldy);
     }
   });
   return out;
@@ -266,15 +268,15 @@ at::Tensor registered_blocks(const at::Tensor& x, int64_t handle, bool q8) {
     std::lock_guard<std::mutex> lock(registry_mutex);
     layer = registered(handle);
   }
-  if (q8 && layer.tiles.has_value()) return q8_product(x, {layer}, "registered_blocks")[0];
+  if (q8 && layer.tiles.has_value()) return q8_product(x, {layer}, "registered_blocks");
   return q8 ? speclm::small_m_blocks_q8(x, layer.codes, layer.scale, layer.minimum, layer.bits)
             : speclm::small_m_blocks(x, layer.codes, layer.scale, layer.minimum, layer.bits);
 }
 
 // The layers of `handles` (all 8-bit-activation layers reading the same input, such as a decoder
-// layer's query, key and value projections) in one call. Each output has the bits of
-// registered_blocks(x, handle, true).
-std::vector<at::Tensor> registered_blocks_group(const at::Tensor& x, at::IntArrayRef handles) {
+// layer's query, key and value projections) in one call: [M, N_0 + N_1 + ...], each layer's
+// columns with the bits of registered_blocks(x, handle, true).
+at::Tensor registered_blocks_group(const at::Tensor& x, at::IntArrayRef handles) {
   TORCH_CHECK(!handles.empty(), "registered_blocks_group: no layers");
   std::vector<BlockLayer> layers;
   {
@@ -292,7 +294,7 @@ TORCH_LIBRARY_FRAGMENT(speclm, m) {
   m.def("register_blocks(Tensor codes, Tensor scale, Tensor? minimum, int bits) -> int");
   m.def("release_blocks(int handle) -> ()", &release_blocks);
   m.def("registered_blocks(Tensor x, int handle, bool q8) -> Tensor");
-  m.def("registered_blocks_group(Tensor x, int[] handles) -> Tensor[]");
+  m.def("registered_blocks_group(Tensor x, int[] handles) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(speclm, CPU, m) {
   m.impl("small_m_blocks_q8", &speclm::small_m_blocks_q8);

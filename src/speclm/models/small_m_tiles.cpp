@@ -300,18 +300,18 @@ speclm::TileLayer speclm::tile_layer(const at::Tensor& codes, const at::Tensor& 
 }
 
 void speclm::tile_product(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K,
-                          const TileLayer& w, int64_t g0, int64_t g1, float* y) {
+                          const TileLayer& w, int64_t g0, int64_t g1, float* y, int64_t ldy) {
 #if defined(__AMX_INT8__)
   if (amx.load() && M >= kAmxMinRows) {
-    if (w.bits == 8) tile_groups<8, true>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
-    else if (!w.minimum.has_value()) tile_groups<4, true>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
-    else tile_groups<4, false>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
+    if (w.bits == 8) tile_groups<8, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+    else if (!w.minimum.has_value()) tile_groups<4, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+    else tile_groups<4, false>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
     return;
   }
 #endif
-  if (w.bits == 8) vnni_groups<8, true>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
-  else if (!w.minimum.has_value()) vnni_groups<4, true>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
-  else vnni_groups<4, false>(qx, dx, sx, M, K, w, g0, g1, y, w.N);
+  if (w.bits == 8) vnni_groups<8, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+  else if (!w.minimum.has_value()) vnni_groups<4, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+  else vnni_groups<4, false>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
 }
 
 #else  // built without AVX-512 VNNI: the tile layout is never used
@@ -324,7 +324,7 @@ speclm::TileLayer speclm::tile_layer(const at::Tensor&, const at::Tensor&, const
 }
 
 void speclm::tile_product(const int8_t*, const float*, const float*, int64_t, int64_t, const TileLayer&, int64_t,
-                          int64_t, float*) {
+                          int64_t, float*, int64_t) {
   TORCH_CHECK(false, "speclm: the CPU kernels were built without AVX-512 VNNI: no tile layout");
 }
 
