@@ -9,6 +9,7 @@ not, and this script measures it for the model at hand (median of ``--reps`` run
     python benchmarks/step_cost.py --compile --quantize gguf --activations q8,float
     python benchmarks/step_cost.py --compile --quantize gguf --groups on,off
     python benchmarks/step_cost.py --compile --quantize gguf --wrapper python,cpp
+    python benchmarks/step_cost.py --compile --quantize gguf --widths 1 8 --profile   # where it goes
 
 ``SPECLM_CPU_KERNEL=0`` runs float32 layers on torch's own products instead of speclm's small-M
 kernels (models/small_m.py), for a before/after on the same machine; ``--attention sdpa`` keeps
@@ -51,6 +52,8 @@ def main() -> None:
     ap.add_argument("--wrapper", default=None,
                     help="with --compile: python, cpp or both (python,cpp): the compiled step's wrapper in "
                          "Python or in C++ calling speclm's ops directly; one model each, interleaved")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 20 forwards per width (torch.profiler) and print each part's share")
     args = ap.parse_args()
     if sum(bool(v) for v in (args.activations, args.groups, args.wrapper)) > 1:
         ap.error("--activations, --groups and --wrapper each make the variants: give one of them")
@@ -102,6 +105,28 @@ def main() -> None:
             t, base = (statistics.median(times[(name, w)]) for w in (width, args.widths[0]))
             cells.append(f"{t * 1e3:.1f} | {t / base:.2f}x")
         print(f"| {width} | " + " | ".join(cells) + " |")
+    if args.profile:
+        for name, lm in variants.items():
+            for width in args.widths:
+                print(f"{name}, {width} tokens: " + _profile(lm, width, args.context, gen))
+
+
+def _profile(lm, width: int, context: int, gen: torch.Generator) -> str:
+    """Each part's share of 20 forwards of ``width`` tokens: speclm's ops by name, the rest
+    (the compiled graph's wrapper and fused loops, dynamo, Python) together."""
+    from torch.profiler import ProfilerActivity, profile
+
+    tokens = torch.randint(0, lm.vocab_size, (width,), generator=gen)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(20):
+            lm.forward(tokens, context, num_logits=width)
+            lm.rollback(context)
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)
+    parts = {e.key: e.self_cpu_time_total for e in events if e.key.startswith("speclm::")}
+    parts["the rest"] = total - sum(parts.values())
+    return ", ".join(f"{key} {t / total:.0%}" for key, t in sorted(parts.items(), key=lambda kv: -kv[1])) + (
+        f" ({total / 20 / 1e3:.1f} ms a forward under the profiler)")
 
 
 if __name__ == "__main__":
