@@ -213,8 +213,9 @@ def main() -> int:
     ap.add_argument("--min-requests", type=int, default=3, help="at least this many per phase")
     ap.add_argument("--prompts", default=str(SPEC_BENCH) if SPEC_BENCH.is_file() else str(DEFAULT_PROMPTS))
     ap.add_argument("--num-prompts", type=int, default=32)
-    ap.add_argument("--ready-timeout", type=float, default=600.0,
-                    help="seconds a server may take to start (compiling included)")
+    ap.add_argument("--ready-timeout", type=float, default=1800.0,
+                    help="seconds a server may take to start, compiling included (a compiled speclm server's "
+                         "first start on a 2-core CPU compiles ~25 graphs: about 20 minutes)")
     ap.add_argument("--out", help="write the raw results as JSON here")
     args = ap.parse_args()
     args.levels = [int(c) for c in args.clients.split(",")]

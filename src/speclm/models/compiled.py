@@ -103,8 +103,11 @@ def _raise_dynamo_limits(graphs: int) -> None:
             setattr(dynamo_config, name, want)
 
 
-def compile_options(backend: str, mode: str | None, freeze: bool) -> dict | None:
-    """Inductor's options for a compiled step (torch.compile takes a mode or options, not both)."""
+def compile_options(backend: str, mode: str | None, freeze: bool, cpp_wrapper: bool = True) -> dict | None:
+    """Inductor's options for a compiled step (torch.compile takes a mode or options, not both).
+    ``cpp_wrapper=False`` keeps inductor's Python wrapper where speclm's kernels would allow a C++
+    one (a graph whose ops have no C entry point, such as PyTorch's CPU int4 product, would call
+    them back through Python)."""
     if backend != "inductor" or mode is not None:
         return None
     # one kernel call for the GGUF block layers that read the same input (block_groups.py)
@@ -115,7 +118,7 @@ def compile_options(backend: str, mode: str | None, freeze: bool) -> dict | None
         # weights must not change after compiling (inference only), and a frozen graph skips
         # inductor's on-disk cache, so every process compiles it again.
         options["freezing"] = True
-    else:
+    elif cpp_wrapper:
         # the step's wrapper in C++, calling speclm's ops directly (models/c_shims.py)
         options.update(c_shims.wrapper_options())
     return options
@@ -126,7 +129,7 @@ class _Step:
     (models/compiled_rows.py): one graph per (rows, tokens, capacity) seen."""
 
     def __init__(self, model: torch.nn.Module, mode: str | None, backend: str = "inductor",
-                 freeze: bool = False) -> None:
+                 freeze: bool = False, cpp_wrapper: bool = True) -> None:
         self.model = model
         cache_kw = cache_kwarg(model)
 
@@ -143,7 +146,7 @@ class _Step:
 
         self.eager = step
         self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend,
-                                      options=compile_options(backend, mode, freeze))
+                                      options=compile_options(backend, mode, freeze, cpp_wrapper))
         self.seen: set[tuple] = set()  # (tokens, capacity) or (rows, tokens, capacity) compiled so far
         self.seen_hidden: set[tuple] = set()  # (key, layers): graphs that also return hidden states
         self.skip_guards = True
@@ -230,7 +233,8 @@ class CompiledCausalLM:
         mode = "reduce-overhead" if self.device.type == "cuda" and compile_backend == "inductor" else None
         self.compile_backend = compile_backend
         freeze = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-        self._step = _step or _Step(model, mode, compile_backend, freeze)
+        # PyTorch's CPU int4 product has no C entry point for inductor's C++ wrapper
+        self._step = _step or _Step(model, mode, compile_backend, freeze, cpp_wrapper=quantize != "int4")
         self._step.allow_graphs(len(self.buckets) * len(self.capacities) * 4)  # with and without features
         self._min = torch.finfo(self.dtype).min
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)

@@ -164,10 +164,12 @@ def _build(level: str) -> None:
     # the ops' C entry points (small_m_shims.cpp) are what a compiled step's C++ wrapper links
     # against when it is loaded: make the library's symbols visible to libraries loaded later
     library = Path(_build_directory(name, False)) / f"{name}.so"
-    if library.exists():
+    global _shims
+    try:
         ctypes.CDLL(str(library), mode=os.RTLD_GLOBAL | os.RTLD_NOW)
-        global _shims
         _shims = True
+    except (AttributeError, OSError):  # no such flags (not a Unix) or no such file: the Python wrapper
+        _shims = False
 
 
 def _register_fake() -> None:
