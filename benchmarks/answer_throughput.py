@@ -7,12 +7,13 @@ Modes, each answering the same prompts greedily (prefill included), one after an
 
 - ``generate``: transformers' ``generate`` on left-padded batches of 8, the way the data stage
   answered before it ran on the engine;
-- ``solo``: one request at a time on the engine (eager float32): single-stream decoding;
+- ``solo``: one request at a time on the engine (eager float32, or ``--dtype``): single-stream decoding;
 - ``torch:R``: the engine over R rows of the eager-torch ragged cache (the data stage's default);
 - ``llamacpp:R``: the engine over R llama.cpp rows in one ``llama_decode`` (the GGUF's kernels).
 
 Prints answer tokens, seconds and tokens/s per mode, and whether the torch modes' answers are
-identical (they are greedy float32 decodes of the same model, so they must be).
+identical (greedy decodes of the same model; in float32 a row's answer equals its solo answer
+except at near-ties, where a wider batch can round differently).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main() -> None:
     ap.add_argument("--num", type=int, default=64, help="prompts to answer (default: 64)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--modes", default="generate,solo,torch:64,llamacpp:16")
+    ap.add_argument("--dtype", default="float32", help="the torch modes' precision (default: float32)")
     args = ap.parse_args()
 
     from speclm.learned.answers import AnswerStore, answer_prompts, text_key
@@ -70,7 +72,7 @@ def main() -> None:
     from speclm.prompts import load_prompts
 
     texts = [row["turns"][0] for row in load_prompts(args.prompts)][: args.num]
-    torch_model = load_model("default", dtype="float32")
+    torch_model = load_model("default", dtype=args.dtype)
     llama = None
     results = {}
     for mode in args.modes.split(","):

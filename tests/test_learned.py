@@ -227,6 +227,43 @@ def test_training_lowers_loss_and_checkpoints_roundtrip(target, tmp_path, kind):
     assert spec == plain and stats.tau > 1.2  # it learnt these very answers
 
 
+def test_bfloat16_training_runs_the_products_in_bfloat16_and_keeps_float32_state(target):
+    torch.manual_seed(0)
+    data = _sequences(target, layers=LAYERS)
+    module = EagleHead.create(target, LAYERS, torch.arange(V))  # float32
+    trainer = EagleTrainer(module, target.get_input_embeddings(), data, data[:2], vocab_size=V, epochs=30,
+                           batch_size=3, lr=3e-3, device="cpu", max_seconds=None, progress=False,
+                           compute_dtype=torch.bfloat16)
+    seen = set()
+    module.lm_head.register_forward_hook(lambda m, i, out: seen.add(out.dtype))
+    state = trainer.run()
+    assert seen == {torch.bfloat16}  # every draft logit, in training and held-out scoring
+    assert state.history[-1]["loss"] < 0.5 * state.history[0]["loss"]
+    assert all(p.dtype == torch.float32 for p in module.parameters())
+    assert all(v.dtype == torch.float32 for st in trainer.optimizer.state.values() for k, v in st.items()
+               if k != "step")
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_batches_padded_to_a_multiple_give_the_same_loss(target, kind):
+    from speclm.learned.train import _pad
+
+    data = _sequences(target, layers=[-1] if kind == "medusa" else LAYERS)[:3]
+    if kind == "medusa":
+        module = MedusaHeads.create(target, 2, torch.arange(V)).double()
+        trainer = MedusaTrainer(module, data, data, vocab_size=V, epochs=1, batch_size=3, lr=1e-2,
+                                device="cpu", max_seconds=None, progress=False)
+    else:
+        module = EagleHead.create(target, LAYERS, torch.arange(V)).double()
+        trainer = EagleTrainer(module, target.get_input_embeddings(), data, data, vocab_size=V, epochs=1,
+                               batch_size=3, lr=3e-3, device="cpu", max_seconds=None, progress=False)
+    exact = _pad(data, trainer.table, "cpu", torch.float64)
+    padded = _pad(data, trainer.table, "cpu", torch.float64, multiple=64)
+    assert padded[0].shape[1] % 64 == 0 and padded[0].shape[1] > exact[0].shape[1]
+    torch.testing.assert_close(trainer.loss(padded)[0], trainer.loss(exact)[0], atol=1e-12, rtol=0)
+    torch.testing.assert_close(trainer.accuracy(padded, 2), trainer.accuracy(exact, 2), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("stop", [5, 6])  # mid-epoch, and after an epoch's last batch
 def test_batches_group_lengths_and_an_interrupted_run_resumes_exactly(target, stop):
     import copy
@@ -376,6 +413,7 @@ def test_train_drafter_data_only_makes_the_data_and_stops(model_dirs, tmp_path, 
     (["--data-minutes", "0"], "--data-minutes must be > 0"),
     (["--max-feature-gb", "-2"], "--max-feature-gb must be > 0"),
     (["--self-prompts", "-1"], "--self-prompts must be >= 0"),
+    (["--self-prompts", "4", "--self-prompt-starts", "/no/such/file.txt"], "--self-prompt-starts: not tasks"),
 ])
 def test_train_drafter_bad_input(argv, needle, model_dirs, tmp_path, capsys):
     from speclm.cli import main

@@ -106,24 +106,51 @@ def test_self_written_prompts_are_deduplicated_and_resume(tiny_tokenizer, tmp_pa
     monkeypatch.setattr(self_prompts, "degenerate", lambda text: None if text else "length")
     known = ["already known"]
     kept, report = write_prompts(lm, tiny_tokenizer, 4, tmp_path, seed=1, known=known, rows=3, max_tokens=6,
-                                 progress=False)
+                                 starts=("",), progress=False)
     assert 0 < len(kept) <= 4 and report.requests >= len(kept)
     assert len({normalise(t) for t in kept}) == len(kept) and normalise(known[0]) not in map(normalise, kept)
     store = tmp_path / "self-prompts-seed1.jsonl"
     first_attempts = [json.loads(line)["attempt"] for line in store.read_text().splitlines()]
     more, report2 = write_prompts(lm, tiny_tokenizer, 6, tmp_path, seed=1, known=known, rows=3, max_tokens=6,
-                                  progress=False)
+                                  starts=("",), progress=False)
     assert more[: len(kept)] == kept  # earlier prompts kept, in order
     attempts = [json.loads(line)["attempt"] for line in store.read_text().splitlines()]
     assert attempts[: len(first_attempts)] == first_attempts and len(set(attempts)) == len(attempts)
     # each attempt samples with its own seed: a fresh folder, another batch size, the same text
     write_prompts(lm, tiny_tokenizer, 4, tmp_path / "fresh", seed=1, known=known, rows=1, max_tokens=6,
-                  progress=False)
+                  starts=("",), progress=False)
     ours = {r["attempt"]: r["text"] for r in map(json.loads, store.read_text().splitlines())}
     theirs = {r["attempt"]: r["text"] for r in
               map(json.loads, (tmp_path / "fresh" / "self-prompts-seed1.jsonl").read_text().splitlines())}
     common = set(ours) & set(theirs)
     assert common and all(ours[i] == theirs[i] for i in common)
+
+
+def test_self_written_prompts_begin_with_their_attempts_start(tiny_tokenizer, tmp_path, monkeypatch):
+    model = tiny_model(len(tiny_tokenizer), seed=0)
+    lm = HFCausalLM(model, frozenset(range(0, len(tiny_tokenizer), 3)))
+    monkeypatch.setattr(self_prompts, "degenerate", lambda text: None if text else "length")
+    fed = []
+    real = self_prompts.run_requests
+
+    def spy(target, requests, **kwargs):
+        def recorded():
+            for rid, prompt, params in requests:
+                fed.append((int(rid), prompt))
+                yield rid, prompt, params
+        return real(target, recorded(), **kwargs)
+
+    monkeypatch.setattr(self_prompts, "run_requests", spy)
+    starts = ("", "Translate this:")
+    write_prompts(lm, tiny_tokenizer, 6, tmp_path, seed=2, rows=3, max_tokens=6, starts=starts, progress=False)
+    opener = user_turn_opener(tiny_tokenizer)
+    start_ids = tiny_tokenizer("Translate this:", add_special_tokens=False)["input_ids"]
+    assert fed and all(prompt == opener + (start_ids if i % 2 else []) for i, prompt in fed)
+    (store,) = tmp_path.glob("self-prompts-seed2-*.jsonl")  # its own store: another set of starts
+    kept = [row for row in map(json.loads, store.read_text().splitlines()) if row["text"] is not None]
+    assert {row["attempt"] % 2 for row in kept} == {0, 1}
+    assert all(row["text"].startswith("Translate this:") == (row["attempt"] % 2 == 1) for row in kept)
+    assert not (tmp_path / "self-prompts-seed2.jsonl").exists()
 
 
 def test_write_prompts_needs_a_way_to_open_a_turn(lm, model_dirs, tmp_path):

@@ -57,11 +57,22 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
     p.add_argument("--self-prompts", type=number(int), default=0,
                    help="also train on this many prompts the target writes itself (a chat model "
                         "opens a user turn; deduplicated; degenerate ones dropped) (default: 0)")
+    p.add_argument("--self-prompt-starts", default="tasks", metavar="tasks|free|FILE",
+                   help="how self-written prompts begin: tasks (half of them with the opening words "
+                        "of a kind of task: translate, summarise, answer from a passage, code, word "
+                        "problems, role-play, ...), free (the model's own messages), or a text file "
+                        "with one opening per line (\\n for a line break; an empty line: free) "
+                        "(default: %(default)s)")
     p.add_argument("--rows", type=number(int), default=64,
                    help="answers decoded together, one batched forward per step (default: %(default)s)")
     p.add_argument("--max-feature-gb", type=number(float), default=16.0,
                    help="disk bound on the stored target features in --out (default: %(default)s)")
     p.add_argument("--batch-size", type=number(int), default=8, help="sequences per step (default: %(default)s)")
+    p.add_argument("--precision", choices=["auto", "float32", "bfloat16"], default="auto",
+                   help="precision of the training products: bfloat16 under autocast (the weights, "
+                        "gradients and optimizer state stay float32), or float32; auto: bfloat16 where "
+                        "the device computes it natively (CPUs with AMX or AVX512-BF16, GPUs with "
+                        "bfloat16), else float32 (default: %(default)s)")
     p.add_argument("--lr", type=number(float), default=None, help="learning rate (default: 3e-4 eagle, 1e-3 medusa)")
     p.add_argument("--draft-vocab", type=number(int), default=None,
                    help="tokens the drafter can propose, the most frequent in the data; 0: the "
@@ -79,6 +90,24 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     p.add_argument("--seed", type=number(int), default=0)
     return p
+
+
+def _prompt_starts(spec: str) -> tuple[str, ...]:
+    """--self-prompt-starts: the built-in task openings, none, or a file's lines."""
+    from .self_prompts import TASK_STARTS
+
+    if spec == "tasks":
+        return TASK_STARTS
+    if spec == "free":
+        return ("",)
+    try:
+        lines = Path(spec).expanduser().read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpeclmError(f"--self-prompt-starts: not tasks, free or a readable text file: {spec!r} "
+                          f"({getattr(exc, 'strerror', None) or exc})") from None
+    if not lines:
+        raise SpeclmError(f"--self-prompt-starts: {spec} has no lines")
+    return tuple(line.replace("\\n", "\n") for line in lines)
 
 
 def _feature_layers(text: str | None, num_layers: int) -> list[int]:
@@ -116,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     if args.no_default_prompts and not args.prompts and not args.self_prompts:
         raise SpeclmError("--no-default-prompts needs --prompts FILE or --self-prompts N")
     _feature_layers(args.feature_layers, 10**6)  # malformed text fails before the model loads
+    starts = _prompt_starts(args.self_prompt_starts)
     prompts = distill_prompts(args.prompts)
     if args.no_default_prompts:
         prompts = prompts[len(distill_prompts()):]
@@ -142,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
         folder = answers_folder(cache_dir(), loaded.name, identity.fingerprint, "torch", args.max_new_tokens)
         written, _ = write_prompts(loaded.backend, loaded.tokenizer, args.self_prompts, folder, seed=args.seed,
-                                   known=prompts, rows=args.rows, deadline=deadline)
+                                   known=prompts, rows=args.rows, deadline=deadline, starts=starts)
         print(f"speclm: {len(written)} prompts written by the target", file=sys.stderr)
         prompts = prompts + written
     sequences = build_dataset(loaded.backend, loaded.tokenizer, prompts, target_name=loaded.name,
@@ -166,17 +196,23 @@ def run(args: argparse.Namespace) -> int:
     draft_ids = (None if vocab == 0 else
                  draft_vocabulary(train, vocab, identity.vocab_size, sorted(loaded.backend.eos_token_ids)))
     device = loaded.backend.device
+    from ..models.dtypes import fast_dtype
+
+    compute = fast_dtype(device) if args.precision == "auto" else getattr(torch, args.precision)
+    print(f"speclm: training products in {str(compute).removeprefix('torch.')}", file=sys.stderr)
     if args.method == "medusa":
         module = MedusaHeads.create(target, args.heads, draft_ids).to(device)
         trainer = MedusaTrainer(module, train, held_out, vocab_size=identity.vocab_size, epochs=args.epochs,
                                 batch_size=args.batch_size, lr=args.lr or 1e-3, device=device,
-                                max_seconds=args.max_minutes * 60 if args.max_minutes else None, seed=args.seed)
+                                max_seconds=args.max_minutes * 60 if args.max_minutes else None, seed=args.seed,
+                                compute_dtype=compute)
     else:
         module = EagleHead.create(target, layers, draft_ids).to(device)
         trainer = EagleTrainer(module, target.get_input_embeddings(), train, held_out,
                                vocab_size=identity.vocab_size, epochs=args.epochs, batch_size=args.batch_size,
                                lr=args.lr or 3e-4, device=device, unroll=args.unroll,
-                               max_seconds=args.max_minutes * 60 if args.max_minutes else None, seed=args.seed)
+                               max_seconds=args.max_minutes * 60 if args.max_minutes else None, seed=args.seed,
+                               compute_dtype=compute)
     state_path = out / STATE_FILE
     if state_path.is_file() and not args.restart:
         saved = torch.load(state_path, weights_only=False)

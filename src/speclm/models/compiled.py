@@ -49,7 +49,7 @@ from . import c_shims
 from .attention import MASKED_4D
 from .base import ForwardOutput, spread_hidden
 from .block_groups import GroupBlockCalls
-from .dtypes import cast_keeping_rotary
+from .dtypes import cast_keeping_rotary, fast_dtype
 from .hf_kwargs import cache_kwarg
 from .kv_cache import check_forward
 from .static_cache import (
@@ -61,21 +61,6 @@ from .static_cache import (
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 PREFILL_CHUNK = 512  # eager prefill runs in chunks of this many tokens (bounds the mask's size)
-
-
-def fast_dtype(device: torch.device | str) -> torch.dtype:
-    """bfloat16 where the device computes it natively (CPU with AVX512-BF16/AMX, CUDA with bf16
-    support), else float32."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
-        try:
-            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
-                return torch.bfloat16
-        except (AttributeError, RuntimeError):
-            pass
-    return torch.float32
 
 
 def auto_dtype(device: torch.device, quantize: str | None) -> torch.dtype:

@@ -29,6 +29,21 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         ) from None
 
 
+def fast_dtype(device: torch.device | str) -> torch.dtype:
+    """bfloat16 where the device computes it natively (CPU with AVX512-BF16/AMX, CUDA with bf16
+    support), else float32."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float32
+    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+        try:
+            if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+                return torch.bfloat16
+        except (AttributeError, RuntimeError):
+            pass
+    return torch.float32
+
+
 def cast_keeping_rotary(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
     """``model.to(dtype)``, but the rotary embedding's frequencies (``inv_freq``, non-persistent
     float32 buffers that transformers itself keeps in float32 when loading in bfloat16) stay
