@@ -48,8 +48,10 @@ def drafters(target):
     heads = MedusaHeads.create(target, 3, torch.arange(V)).double()
     shared = MedusaHeads.create(target, 3, None).double()  # the target's own LM head
     eagle = EagleHead.create(target, LAYERS, torch.arange(V)).double()
+    parallel = EagleHead.create(target, LAYERS, torch.arange(V), parallel=3).double()
     with torch.no_grad():
-        for p in list(heads.blocks.parameters()) + list(shared.parameters()) + list(eagle.parameters()):
+        for p in (list(heads.blocks.parameters()) + list(shared.parameters()) + list(eagle.parameters())
+                  + list(parallel.parameters())):
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
     paths = best_static_tree([[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]], 10)
     embed = target.get_input_embeddings()
@@ -58,10 +60,11 @@ def drafters(target):
         "medusa-shared-head": lambda: MedusaDrafter(shared, paths),
         "eagle-chain": lambda: EagleDrafter(eagle, embed, LAYERS, V, None),
         "eagle-tree": lambda: EagleDrafter(eagle, embed, LAYERS, V, TreeShape(3, 10)),
+        "eagle-parallel": lambda: EagleDrafter(parallel, embed, LAYERS, V, None),
     }
 
 
-@pytest.mark.parametrize("name", ["medusa", "medusa-shared-head", "eagle-chain", "eagle-tree"])
+@pytest.mark.parametrize("name", ["medusa", "medusa-shared-head", "eagle-chain", "eagle-tree", "eagle-parallel"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_identity(target, name, k):
     lm = backend(target)
@@ -111,7 +114,7 @@ def test_learned_drafters_read_features_from_the_compiled_step(target, name):
     assert any(len(key) == 3 for key, _ in fast._step.seen_hidden)  # (rows, tokens, capacity) graphs
 
 
-@pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree", "medusa"])
+@pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree", "eagle-parallel", "medusa"])
 def test_sampling_matches_target_distribution(name):
     from itertools import product
 
@@ -130,7 +133,10 @@ def test_sampling_matches_target_distribution(name):
     if name == "medusa":
         drafter = MedusaDrafter(MedusaHeads.create(model, 2, ids).double(), [[0], [1], [0, 0], [1, 0]])
     else:
-        head = EagleHead.create(model, LAYERS, ids).double()
+        head = EagleHead.create(model, LAYERS, ids, parallel=3 if name.endswith("parallel") else 0).double()
+        if name.endswith("parallel"):  # a mask pair far from the start: drafts that often miss
+            with torch.no_grad():
+                head.mask_feature.normal_(generator=torch.Generator().manual_seed(3))
         drafter = EagleDrafter(head, model.get_input_embeddings(), LAYERS, vocab,
                                TreeShape(2, 4) if name.endswith("tree") else None)
     gen = torch.Generator().manual_seed(5)
@@ -162,20 +168,26 @@ def _sequences(target, count=6, length=24, layers=LAYERS):
     return out
 
 
+def _trained_steps_and_drafter(target, head, t: int):
+    """A sequence, the trainer's unrolled steps on it [(logits [1, T', N], labels)] and a chain
+    drafter over ``head`` that has committed tokens 0..t and features for 0..t-1."""
+    seq = _sequences(target, count=1)[0]
+    trainer = EagleTrainer(head, target.get_input_embeddings(), [seq], [seq], vocab_size=V, epochs=1,
+                           batch_size=1, lr=1e-3, device="cpu", max_seconds=None, unroll=2, progress=False)
+    with torch.no_grad():
+        steps = trainer.predictions(_pad([seq], trainer.table, "cpu", torch.float64), everywhere=False)
+    drafter = EagleDrafter(head, target.get_input_embeddings(), LAYERS, V, None)
+    drafter.reset(seq.ids[: t + 1])
+    drafter.on_target_features(seq.features[:t].to(torch.float64))
+    return seq, steps, drafter
+
+
 def test_unrolled_training_steps_equal_drafting(target):
     """Step s of the EAGLE trainer computes, at every position, the head's output of a depth-s
     draft from there: check against the drafter itself run on a prefix."""
     head = EagleHead.create(target, LAYERS, torch.arange(V)).double()
-    seq = _sequences(target, count=1)[0]
-    trainer = EagleTrainer(head, target.get_input_embeddings(), [seq], [seq], vocab_size=V, epochs=1,
-                           batch_size=1, lr=1e-3, device="cpu", max_seconds=None, unroll=2, progress=False)
-    batch = _pad([seq], trainer.table, "cpu", torch.float64)
-    with torch.no_grad():
-        steps = trainer.predictions(batch, everywhere=False)  # [(logits [1, T', N], labels)]
-    drafter = EagleDrafter(head, target.get_input_embeddings(), LAYERS, V, None)
     t = 9  # the drafter has committed tokens 0..t (pending t) and features for 0..t-1
-    drafter.reset(seq.ids[: t + 1])
-    drafter.on_target_features(seq.features[:t].to(torch.float64))
+    seq, steps, drafter = _trained_steps_and_drafter(target, head, t)
     from speclm.drafters.base import DraftContext
 
     logits_seen = []
@@ -196,7 +208,35 @@ def test_unrolled_training_steps_equal_drafting(target):
         torch.testing.assert_close(depth1, steps[1][0][0, t - 1], atol=1e-9, rtol=0)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_parallel_training_steps_equal_one_drafting_forward(target):
+    """A head that drafts in parallel: trainer step s at position t is the output of the s-th
+    mask pair the drafter runs after the pairs up to t (exactly, whatever it drafts), and one
+    head forward per round proposes all the chain's tokens."""
+    from speclm.drafters.base import DraftContext
+
+    torch.manual_seed(1)
+    head = EagleHead.create(target, LAYERS, torch.arange(V), parallel=3).double()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn(p.shape, dtype=p.dtype) * 0.02)
+    t = 9
+    seq, steps, drafter = _trained_steps_and_drafter(target, head, t)
+    logits_seen, calls = [], []
+    original = drafter._full_logits
+    drafter._full_logits = lambda hidden: logits_seen.append(original(hidden)) or logits_seen[-1]
+    head.register_forward_hook(lambda *_: calls.append(1))
+    draft = drafter.propose(DraftContext(seq.ids[: t + 1], 3, SamplingParams(), torch.Generator()))
+    assert len(calls) == 1 and draft.tokens.shape[0] == 3  # one forward, three tokens
+    rows = logits_seen[0]  # [3, V]: the root, then the two mask pairs
+    torch.testing.assert_close(rows[0], steps[0][0][0, t - 1], atol=1e-9, rtol=0)
+    for s in (1, 2):  # step s's row for position t - 1 + s sits at index t - 1 of its output
+        torch.testing.assert_close(rows[s], steps[s][0][0, t - 1], atol=1e-9, rtol=0)
+    assert torch.equal(draft.tokens, rows.argmax(-1))
+    drafter.on_verified(0, [])
+    assert drafter.cache.get_seq_length() == drafter.processed == t  # the mask pairs are dropped
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle-parallel"])
 def test_training_lowers_loss_and_checkpoints_roundtrip(target, tmp_path, kind):
     torch.manual_seed(0)
     data = _sequences(target, layers=[-1] if kind == "medusa" else LAYERS)
@@ -206,9 +246,11 @@ def test_training_lowers_loss_and_checkpoints_roundtrip(target, tmp_path, kind):
         trainer = MedusaTrainer(module, data, data[:2], vocab_size=V, epochs=60, batch_size=3, lr=1e-2,
                                 device="cpu", max_seconds=None, progress=False)
     else:
-        module = EagleHead.create(target, LAYERS, ids).double()
+        parallel = 3 if kind == "eagle-parallel" else 0
+        module = EagleHead.create(target, LAYERS, ids, parallel=parallel).double()
         trainer = EagleTrainer(module, target.get_input_embeddings(), data, data[:2], vocab_size=V,
                                epochs=40, batch_size=3, lr=3e-3, device="cpu", max_seconds=None, progress=False)
+        kind = "eagle"
     before = trainer.evaluate()
     state = trainer.run()
     after = trainer.evaluate()
@@ -216,7 +258,7 @@ def test_training_lowers_loss_and_checkpoints_roundtrip(target, tmp_path, kind):
     assert after[0][0] > before[0][0]  # memorising the data raises top-1 accuracy
     identity = TargetIdentity.of(target, "tiny")
     DrafterConfig(kind, identity, V, LAYERS if kind == "eagle" else [-1], num_heads=2,
-                  training=dict(tree=[[0], [0, 0], [1]])).save(tmp_path)
+                  parallel=getattr(module, "parallel", 0), training=dict(tree=[[0], [0, 0], [1]])).save(tmp_path)
     save_weights(module, tmp_path)
     lm = backend(target)
     drafter = load_learned_drafter(tmp_path, lm, kind)
@@ -225,6 +267,8 @@ def test_training_lowers_loss_and_checkpoints_roundtrip(target, tmp_path, kind):
     plain, _ = run(lm, prompt, greedy)
     spec, stats = run(lm, prompt, greedy, drafter, 2)
     assert spec == plain and stats.tau > 1.2  # it learnt these very answers
+    if getattr(module, "parallel", 0):  # a parallel head drafts its chain in one forward
+        assert drafter.head.parallel == 3 and drafter.tree is None
 
 
 def test_bfloat16_training_runs_the_products_in_bfloat16_and_keeps_float32_state(target):
@@ -343,6 +387,8 @@ def test_an_exported_drafter_ships_for_its_own_target_only(target, tmp_path):
         assert "\n" not in str(err.value)
     with pytest.raises(SpeclmError, match="ships no medusa drafter for this target .it ships none"):
         shipped_folder(target, "medusa", root)
+    with pytest.raises(SpeclmError, match="ships no eagle drafter for this target .it ships one for SmolLM2"):
+        shipped_folder(target, "eagle")  # the drafter in the package is for the default model only
 
 
 def test_best_static_tree_is_a_tree_in_order_of_estimated_acceptance():
@@ -401,7 +447,38 @@ def test_train_drafter_data_only_makes_the_data_and_stops(model_dirs, tmp_path, 
     assert (out / "drafter.json").is_file()
 
 
+def test_train_drafter_parallel_head_started_from_another(model_dirs, tmp_path, capsys, monkeypatch):
+    from speclm import LLM
+    from speclm.cli import main
+
+    monkeypatch.setenv("SPECLM_CACHE_DIR", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(f'{{"turns": ["a slow grey cat number {i}"]}}\n' for i in range(6)))
+
+    def argv(out):
+        return ["train-drafter", "--method", "eagle", "--target", str(model_dirs["target"]), "--out",
+                str(tmp_path / out), "--prompts", str(prompts), "--no-default-prompts", "--max-new-tokens", "8",
+                "--rows", "3", "--epochs", "1"]
+
+    assert main(argv("chain") + ["--draft-vocab", "64"]) == 0
+    capsys.readouterr()
+    assert main(argv("parallel") + ["--draft-vocab", "64", "--parallel-draft", "3", "--init",
+                                    str(tmp_path / "chain")]) == 0
+    assert "starting from the drafter" in capsys.readouterr().err
+    config = DrafterConfig.load(tmp_path / "parallel")
+    assert config.parallel == 3 and len(config.training["held_out_accuracy"]) == 3  # three positions trained
+    llm = LLM(str(model_dirs["target"]), f"eagle:path={tmp_path / 'parallel'}", 3, dtype="float64")
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    spec = llm.generate("a slow grey cat", params)[0]
+    assert spec.token_ids == llm.generate("a slow grey cat", params, speculative=False)[0].token_ids
+    capsys.readouterr()  # a start that does not fit is a one-line error
+    assert main(argv("other") + ["--draft-vocab", "32", "--init", str(tmp_path / "chain")]) == 2
+    assert "--init" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,needle", [
+    (["--parallel-draft", "1"], "--parallel-draft is for"),
+    (["--init", "/no/such/drafter"], "not a speclm drafter folder"),
     (["--held-out", "0.9"], "--held-out"),
     (["--no-default-prompts"], "needs --prompts"),
     (["--feature-layers", "x"], "--feature-layers"),

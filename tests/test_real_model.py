@@ -104,6 +104,20 @@ def test_trees_learned_and_async_drafters_greedy_identity(llm, prompts, text):
     assert_identical_to_plain(llm, prompts[:2], spec, 20)
 
 
+def test_the_shipped_eagle_drafter(llm, prompts):
+    """``eagle`` with no path: the drafter shipped for the default model names it, loads on it
+    and keeps greedy output identical to plain decoding."""
+    from speclm.learned.checkpoint import DrafterConfig
+    from speclm.learned.shipped import shipped_folder
+    from speclm.models.loading import DEFAULT_MODEL_NAME
+
+    config = DrafterConfig.load(shipped_folder(llm.target.model, "eagle"))
+    assert config.kind == "eagle" and config.target.name == DEFAULT_MODEL_NAME
+    spec = llm.make_speculation("eagle", 4, adaptive_draft=False)
+    outs = assert_identical_to_plain(llm, prompts[:3], spec, 32)
+    assert sum(out.stats.accepted_tokens for out in outs) > 0
+
+
 def test_batched_greedy_identity(llm, prompts):
     """The server's batched engine (prompt lookup, adaptive K) on six Spec-Bench questions at
     once, prompts of very different lengths: each output equals its solo plain output."""

@@ -5,7 +5,9 @@ at t, embedding of token t + 1); its output at t predicts token t + 2. Features 
 engine for every position the target commits, so at the start of a round the head runs the new
 pairs in one pass and its last output gives the distribution of the first draft token. Further
 tokens are drafted at the feature level: a drafted position's input is the head's own output at
-its parent instead of the target's features. Trees grow with EAGLE-2's dynamic search
+its parent instead of the target's features; a head trained to draft in parallel instead runs
+mask pairs for the positions after the first in the same forward as the new pairs, so a round
+costs one head forward. Trees grow with EAGLE-2's dynamic search
 (:mod:`.tree_search`); tree and draft entries are cropped from the head's cache after the round.
 """
 
@@ -59,29 +61,44 @@ class EagleDrafter:
         full = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.head.draft_to_target, draft)
 
-    def _run(self, feature, ids, start: int, tree: TreeMeta | None, past: int) -> torch.Tensor:
-        """Run T pairs at positions from ``start`` (chain) or as the last rows of ``tree``."""
-        t = ids.shape[0]
+    def _run(self, feature, embedded, start: int, tree: TreeMeta | None, past: int) -> torch.Tensor:
+        """Run T pairs [T, H] at positions from ``start`` (chain) or as the last rows of ``tree``."""
+        t = embedded.shape[0]
         if tree is None:  # a causal block after ``past`` cached pairs
             tree, past = TreeMeta.chain(t - 1), start
         positions = tree.positions(past, t).to(self._param.device).view(1, t)
         mask = tree.attention_bias(past, self._param.dtype, self._param.device, t)
-        out = self.head(feature.view(1, t, -1), self._embed(ids).view(1, t, -1), positions, mask, self.cache)
+        out = self.head(feature.view(1, t, -1), embedded.view(1, t, -1), positions, mask, self.cache)
         return out[0]  # [T, H]
 
     @torch.inference_mode()
     def propose(self, ctx: DraftContext) -> Draft:
         ids = ctx.token_ids  # [n]; features have arrived for positions < n - 1
-        if self.features:
-            feats = torch.cat(self.features).to(self._param.device, self._param.dtype)  # [m, L * H]
+        # a head that drafts in parallel runs its mask pairs in the same forward as the new pairs
+        masks = max(0, min(ctx.max_tokens, self.head.parallel) - 1) if self.tree is None else 0
+        mask_out = None
+        if self.features or (masks and self.root_hidden is not None):
+            start = self.processed
+            hidden_size = self.embedding.weight.shape[1]
+            feats = (torch.cat(self.features).to(self._param.device, self._param.dtype) if self.features
+                     else self._param.new_empty(0, len(self.feature_layers) * hidden_size))  # [m, L * H]
             self.features = []
             m = feats.shape[0]
-            start = self.processed
-            out = self._run(self.head.fuse(feats), ids[start + 1 : start + 1 + m], start, None, start)
+            feature, embedded = self.head.fuse(feats), self._embed(ids[start + 1 : start + 1 + m])  # [m, H]
+            if masks:
+                mask_feature, mask_embedded = self.head.mask_pairs((masks,))  # [masks, H] each
+                feature, embedded = torch.cat([feature, mask_feature]), torch.cat([embedded, mask_embedded])
+            out = self._run(feature, embedded, start, None, start)  # [m + masks, H]
             self.processed += m
-            self.root_hidden = out[-1]
+            if m:
+                self.root_hidden = out[m - 1]
+            mask_out = out[m:]
         if self.root_hidden is None or ctx.max_tokens <= 0:
             return Draft.empty(ids.device)
+        if masks:  # each mask pair's output predicts the token after the one before it
+            logits = self._full_logits(torch.cat([self.root_hidden.view(1, -1), mask_out]))  # [1 + masks, V]
+            draft = draft_chain(logits[:1], masks + 1, ctx, lambda token, i: logits[i + 1 : i + 2])
+            return Draft(draft.tokens.to(ids.device), draft.q_draft)
         root_logits = self._full_logits(self.root_hidden.view(1, -1))  # [1, V]
         if self.tree is not None:
             self._fed_hidden = self.root_hidden.new_empty(0, self.root_hidden.shape[0])
@@ -94,7 +111,8 @@ class EagleDrafter:
 
         def step(token: torch.Tensor, i: int) -> torch.Tensor:  # the drafted pair: (own output, token)
             nonlocal hidden
-            hidden = self._run(hidden.view(1, -1), token, self.processed + i, None, self.processed + i)[0]
+            hidden = self._run(hidden.view(1, -1), self._embed(token), self.processed + i, None,
+                               self.processed + i)[0]
             return self._full_logits(hidden.view(1, -1))  # [1, V]
 
         draft = draft_chain(logits, ctx.max_tokens, ctx, step)
@@ -106,6 +124,6 @@ class EagleDrafter:
         parents = fed.parents[-t:]  # [T] expanded-node index of each parent, -1 = the root
         known = torch.cat([self.root_hidden.view(1, -1), self._fed_hidden])  # [1 + F_old, H]
         feature = known[(parents + 1).to(known.device)]  # [T, H]
-        out = self._run(feature, tokens, 0, fed, self.processed - 1)  # root = the last pair
+        out = self._run(feature, self._embed(tokens), 0, fed, self.processed - 1)  # root = the last pair
         self._fed_hidden = torch.cat([self._fed_hidden, out])
         return torch.log_softmax(self._full_logits(out), -1)

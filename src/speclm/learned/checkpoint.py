@@ -64,6 +64,7 @@ class DrafterConfig:
     #                        0: the drafter uses the target's own LM head
     feature_layers: list[int] = field(default_factory=list)  # target hidden states it reads
     num_heads: int = 0  # medusa: heads (draft depth)
+    parallel: int = 0  # eagle: tokens proposed by one forward (mask pairs + 1); 0: one per forward
     training: dict = field(default_factory=dict)  # how it was made: data, epochs, time, acceptance
     format: int = FORMAT
 
@@ -94,13 +95,15 @@ def save_weights(module: torch.nn.Module, folder: Path) -> None:
     save_file(state, str(folder / WEIGHTS_FILE))
 
 
-def load_weights(module: torch.nn.Module, folder: Path) -> None:
+def load_weights(module: torch.nn.Module, folder: Path, strict: bool = True) -> None:
+    """``strict=False``: a start for training (parts the file lacks keep their values, parts
+    the module lacks are skipped); every shared tensor must still have the module's shape."""
     from safetensors.torch import load_file
 
     path = Path(folder) / WEIGHTS_FILE
     try:
         state = load_file(str(path))
-        module.load_state_dict(state)
+        module.load_state_dict(state, strict=strict)
     except (OSError, RuntimeError) as exc:
         raise SpeclmError(f"cannot load drafter weights from {path}: {str(exc).splitlines()[0]}") from None
 

@@ -61,8 +61,9 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                    help="how self-written prompts begin: tasks (half of them with the opening words "
                         "of a kind of task: translate, summarise, answer from a passage, code, word "
                         "problems, role-play, ...), free (the model's own messages), or a text file "
-                        "with one opening per line (\\n for a line break; an empty line: free) "
-                        "(default: %(default)s)")
+                        "with one opening per line (\\n for a line break; an empty line: free); each "
+                        "choice keeps its own store of prompts, so prompts written before this "
+                        "option existed are found again with free (default: %(default)s)")
     p.add_argument("--rows", type=number(int), default=64,
                    help="answers decoded together, one batched forward per step (default: %(default)s)")
     p.add_argument("--max-feature-gb", type=number(float), default=16.0,
@@ -83,6 +84,17 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                    help="medusa: nodes of the static tree built from held-out accuracy (default: %(default)s)")
     p.add_argument("--feature-layers", default=None,
                    help="eagle: comma-separated target layers to read (default: low, middle, high)")
+    p.add_argument("--parallel-draft", type=number(int), default=0, metavar="N",
+                   help="eagle: train the head to propose N tokens in one forward (P-EAGLE / PARD "
+                        "style: learned mask pairs stand for the positions not drafted yet; its "
+                        "N - 1 training-time-test steps replace --unroll); such a head drafts a chain "
+                        "of up to N tokens per round for one head forward (default: 0, one forward "
+                        "per drafted token)")
+    p.add_argument("--init", metavar="DIR", default=None,
+                   help="start from the weights of a drafter made for the same target with the same "
+                        "method, feature layers and draft vocabulary (for example an autoregressive "
+                        "EAGLE head, to make a parallel one in fewer epochs); parts it lacks start "
+                        "fresh")
     p.add_argument("--unroll", type=number(int), default=2,
                    help="eagle: training-time-test steps on its own outputs (default: %(default)s)")
     p.add_argument("--held-out", type=number(float), default=0.1, help="fraction held out (default: %(default)s)")
@@ -122,6 +134,24 @@ def _feature_layers(text: str | None, num_layers: int) -> list[int]:
     return layers
 
 
+def _start_from(module, folder: Path, config, identity, layers: list[int], draft_ids):
+    """Load ``folder``'s weights into ``module`` (--init) after checking they fit; returns the
+    draft vocabulary the module now has (the folder's)."""
+    from .checkpoint import load_weights
+
+    if not config.target.same_as(identity):
+        raise SpeclmError(f"--init {str(folder)!r} was made for {config.target.name}, not this target")
+    if config.feature_layers != layers:
+        raise SpeclmError(f"--init {str(folder)!r} reads layers {config.feature_layers}, not {layers}")
+    size = 0 if draft_ids is None else int(draft_ids.shape[0])
+    if config.draft_vocab_size != size:
+        raise SpeclmError(f"--init {str(folder)!r} drafts over {config.draft_vocab_size} tokens, not {size} "
+                          "(--draft-vocab)")
+    load_weights(module, folder, strict=False)
+    print(f"speclm: starting from the drafter in {folder}", file=sys.stderr)
+    return getattr(module, "draft_to_target", draft_ids) if draft_ids is not None else None
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -142,6 +172,12 @@ def run(args: argparse.Namespace) -> int:
     if args.unroll < 0 or args.seed < 0 or args.self_prompts < 0:
         raise SpeclmError(f"--unroll, --seed and --self-prompts must be >= 0, got {args.unroll}, "
                           f"{args.seed} and {args.self_prompts}")
+    if args.parallel_draft and (args.method != "eagle" or args.parallel_draft < 2):
+        raise SpeclmError(f"--parallel-draft is for --method eagle and at least 2, got {args.parallel_draft}")
+    if args.init is not None:
+        init_config = DrafterConfig.load(Path(args.init).expanduser())
+        if init_config.kind != args.method:
+            raise SpeclmError(f"--init {args.init!r} holds a {init_config.kind} drafter, not {args.method}")
     if args.no_default_prompts and not args.prompts and not args.self_prompts:
         raise SpeclmError("--no-default-prompts needs --prompts FILE or --self-prompts N")
     _feature_layers(args.feature_layers, 10**6)  # malformed text fails before the model loads
@@ -202,15 +238,20 @@ def run(args: argparse.Namespace) -> int:
     print(f"speclm: training products in {str(compute).removeprefix('torch.')}", file=sys.stderr)
     if args.method == "medusa":
         module = MedusaHeads.create(target, args.heads, draft_ids).to(device)
+    else:
+        module = EagleHead.create(target, layers, draft_ids, args.parallel_draft).to(device)
+    if args.init is not None:
+        draft_ids = _start_from(module, Path(args.init).expanduser(), init_config, identity, layers, draft_ids)
+    if args.method == "medusa":
         trainer = MedusaTrainer(module, train, held_out, vocab_size=identity.vocab_size, epochs=args.epochs,
                                 batch_size=args.batch_size, lr=args.lr or 1e-3, device=device,
                                 max_seconds=args.max_minutes * 60 if args.max_minutes else None, seed=args.seed,
                                 compute_dtype=compute)
     else:
-        module = EagleHead.create(target, layers, draft_ids).to(device)
         trainer = EagleTrainer(module, target.get_input_embeddings(), train, held_out,
                                vocab_size=identity.vocab_size, epochs=args.epochs, batch_size=args.batch_size,
-                               lr=args.lr or 3e-4, device=device, unroll=args.unroll,
+                               lr=args.lr or 3e-4, device=device,
+                               unroll=args.parallel_draft - 1 if args.parallel_draft else args.unroll,
                                max_seconds=args.max_minutes * 60 if args.max_minutes else None, seed=args.seed,
                                compute_dtype=compute)
     state_path = out / STATE_FILE
@@ -239,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         config = DrafterConfig(kind=args.method, target=identity,
                                draft_vocab_size=0 if draft_ids is None else int(draft_ids.shape[0]),
                                feature_layers=layers, num_heads=args.heads if args.method == "medusa" else 0,
-                               training=training)
+                               parallel=args.parallel_draft, training=training)
         save_weights(module, out)
         config.save(out)
         torch.save(dict(method=args.method, fingerprint=identity.fingerprint, trainer=trainer.state_dict()), state_path)

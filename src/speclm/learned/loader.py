@@ -18,7 +18,8 @@ def load_learned_drafter(folder: str | Path, target: HFCausalLM, kind: str, *, t
 
     ``kind`` is what the user asked for ("medusa" or "eagle"); a folder holding the other kind is
     an error. EAGLE drafts a dynamic tree of ``budget`` nodes (``top_k`` per expansion), or a
-    chain with ``tree=False``; Medusa's tree is the one chosen at training time.
+    chain with ``tree=False`` (always, for a head trained to draft in parallel: one forward
+    proposes its chain); Medusa's tree is the one chosen at training time.
     """
     from ..drafters.eagle import EagleDrafter
     from ..drafters.medusa import MedusaDrafter
@@ -31,7 +32,7 @@ def load_learned_drafter(folder: str | Path, target: HFCausalLM, kind: str, *, t
     if config.kind == "medusa":
         paths = config.training.get("tree") or [[0] * d for d in range(1, config.num_heads + 1)]
         return MedusaDrafter(module, paths)
-    shape = TreeShape(top_k=top_k, budget=budget, fit=fit) if tree else None
+    shape = TreeShape(top_k=top_k, budget=budget, fit=fit) if tree and not config.parallel else None
     return EagleDrafter(module, target.model.get_input_embeddings(), config.feature_layers,
                         target.vocab_size, shape)
 
@@ -60,7 +61,8 @@ def _load_module(folder: Path, kind: str, target: HFCausalLM):
         if not config.draft_vocab_size:
             module.share_head(target.model.get_output_embeddings())
     else:
-        module = EagleHead(target.model.config, len(config.feature_layers), config.draft_vocab_size)
+        module = EagleHead(target.model.config, len(config.feature_layers), config.draft_vocab_size,
+                           config.parallel)
         load_weights(module, folder)
     module = module.to(target.device, dtype)
     _MODULES[key] = (config, module, target.model)

@@ -8,7 +8,10 @@ draft id to the target's), so that their output layer costs a fraction of the ta
 - :class:`EagleHead` (Li et al., 2024-2025; EAGLE-3's multi-layer features): one stock decoder
   layer over (fused target features at t, embedding of token t + 1), predicting token t + 2.
   It is autoregressive at the feature level: for positions the target has not run, its own
-  output hidden state stands in for the target's features.
+  output hidden state stands in for the target's features. A head made for parallel drafting
+  (``parallel`` > 1, as in P-EAGLE and PARD) also learns a mask pair (a feature and an
+  embedding) that stands for a position whose token is not drafted yet, so that one forward over
+  the new true pairs and ``parallel - 1`` mask pairs proposes ``parallel`` tokens.
 """
 
 from __future__ import annotations
@@ -108,12 +111,16 @@ def _layer_config(target_config):
 
 
 class EagleHead(nn.Module):
-    def __init__(self, target_config, num_features: int, draft_vocab_size: int) -> None:
+    def __init__(self, target_config, num_features: int, draft_vocab_size: int, parallel: int = 0) -> None:
         from transformers.models.llama.modeling_llama import (
             LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding)
 
         super().__init__()
         hidden = target_config.hidden_size
+        self.parallel = parallel  # tokens one forward proposes (0: one per forward, autoregressive)
+        if parallel:  # the pair fed where the token is not known yet
+            self.mask_feature = nn.Parameter(torch.zeros(hidden))
+            self.mask_embedding = nn.Parameter(torch.zeros(hidden))
         self.config = _layer_config(target_config)
         self.fuse = nn.Linear(num_features * hidden, hidden, bias=False)  # target features -> H
         self.fc_in = nn.Linear(2 * hidden, hidden, bias=False)  # [embedding; feature] -> H
@@ -124,10 +131,12 @@ class EagleHead(nn.Module):
         self.register_buffer("draft_to_target", torch.zeros(draft_vocab_size, dtype=torch.long))
 
     @staticmethod
-    def create(target: nn.Module, feature_layers: list[int], draft_to_target: torch.Tensor) -> EagleHead:
+    def create(target: nn.Module, feature_layers: list[int], draft_to_target: torch.Tensor,
+               parallel: int = 0) -> EagleHead:
         """Warm start from the target: its last decoder layer, final norm and LM-head rows; the
-        fusion picks the highest feature layer and adds the token embedding."""
-        head = EagleHead(target.config, len(feature_layers), draft_to_target.shape[0])
+        fusion picks the highest feature layer and adds the token embedding; a mask pair starts
+        as the mean token embedding with a zero feature."""
+        head = EagleHead(target.config, len(feature_layers), draft_to_target.shape[0], parallel)
         hidden = target.config.hidden_size
         with torch.no_grad():
             try:
@@ -139,6 +148,8 @@ class EagleHead(nn.Module):
             head.fuse.weight.zero_()
             head.fuse.weight[:, -hidden:] = torch.eye(hidden)
             head.fc_in.weight.copy_(torch.cat([torch.eye(hidden), torch.eye(hidden)], dim=1))
+            if parallel:
+                head.mask_embedding.copy_(target.get_input_embeddings().weight.float().mean(0))
         head.lm_head = _draft_head(target.get_output_embeddings(), draft_to_target)
         head.draft_to_target.copy_(draft_to_target)
         return head.float()
@@ -162,6 +173,11 @@ class EagleHead(nn.Module):
         rope = self.rotary(x, position_ids=positions)
         return self.layer(x, attention_mask=mask, position_ids=positions, use_cache=cache is not None,
                           position_embeddings=rope, **{cache_kwarg(self.layer): cache})
+
+    def mask_pairs(self, shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mask pair broadcast to ``shape + (H,)``: (feature, embedding) for ``forward``."""
+        size = (*shape, self.mask_feature.shape[0])
+        return self.mask_feature.expand(size), self.mask_embedding.expand(size)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] -> [..., N] over the draft vocabulary."""

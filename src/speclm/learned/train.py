@@ -268,7 +268,8 @@ class EagleTrainer(Trainer):
 
     def predictions(self, batch, everywhere: bool):
         """Logits and labels of each unrolled step: step s's input at t is the head's own output
-        of step s - 1 at t - 1 (step 0: the target's features at t)."""
+        of step s - 1 at t - 1 (step 0: the target's features at t), or the mask pair for a head
+        that drafts in parallel; either way with the attention of a draft chain."""
         from transformers import DynamicCache
 
         ids, feats, labels, all_labels = batch
@@ -286,8 +287,12 @@ class EagleTrainer(Trainer):
         for s in range(1, self.unroll + 1):
             if t - 1 - s < 2:
                 break
-            # step s at position t: own output of step s - 1 at t - 1, and the true token t + 1
-            feature = out[:, :-1]  # [B, T - 1 - s, H]
+            # step s at position t: own output of step s - 1 at t - 1, and the true token t + 1;
+            # a head for parallel drafting gets its mask pair instead (neither is known yet)
+            if self.module.parallel:
+                feature, step_embedded = self.module.mask_pairs((b, t - 1 - s))  # [B, T - 1 - s, H] each
+            else:
+                feature, step_embedded = out[:, :-1], embedded[:, s:]  # [B, T - 1 - s, H] each
             rows = q[s:]  # positions of this step's pairs
             allowed = []  # columns: the s earlier steps' cached pairs, then this step's
             for j in range(s + 1):  # step j's pair at position p is visible iff p == row - s + j,
@@ -298,7 +303,7 @@ class EagleTrainer(Trainer):
                     allowed.append(cols[None, :] == (rows[:, None] - s + j))
             mask = torch.cat(allowed, 1)  # [T - 1 - s, cache + T - 1 - s]
             bias = torch.zeros(mask.shape, dtype=out.dtype, device=ids.device).masked_fill(~mask, neg)[None, None]
-            out = self.module(feature, embedded[:, s:], positions[:, s:], bias.expand(b, 1, -1, -1), cache)
+            out = self.module(feature, step_embedded, positions[:, s:], bias.expand(b, 1, -1, -1), cache)
             results.append((self.module.logits(out[:, :-1]), labels[:, s + 2 :]))
         return results
 
