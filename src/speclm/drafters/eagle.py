@@ -79,9 +79,8 @@ class EagleDrafter:
         mask_out = None
         if self.features or (masks and self.root_hidden is not None):
             start = self.processed
-            hidden_size = self.embedding.weight.shape[1]
             feats = (torch.cat(self.features).to(self._param.device, self._param.dtype) if self.features
-                     else self._param.new_empty(0, len(self.feature_layers) * hidden_size))  # [m, L * H]
+                     else self._param.new_empty(0, self.head.fuse.in_features))  # [m, L * H]
             self.features = []
             m = feats.shape[0]
             feature, embedded = self.head.fuse(feats), self._embed(ids[start + 1 : start + 1 + m])  # [m, H]

@@ -149,7 +149,7 @@ def _start_from(module, folder: Path, config, identity, layers: list[int], draft
                           "(--draft-vocab)")
     load_weights(module, folder, strict=False)
     print(f"speclm: starting from the drafter in {folder}", file=sys.stderr)
-    return getattr(module, "draft_to_target", draft_ids) if draft_ids is not None else None
+    return None if draft_ids is None else module.draft_to_target
 
 
 def run(args: argparse.Namespace) -> int:
