@@ -41,3 +41,72 @@ def test_costly_verifies_draft_short_or_not_at_all():
     assert sum(k == 0 for k in chosen) > 0.8 * len(chosen)
     good = simulate(alpha=0.8, t_plain=1.0, t_token=0.3)
     assert 1 <= sorted(good)[len(good) // 2] <= 4  # strong acceptance: short drafts pay
+
+
+def _realised(parallel: int, alpha: float, t_round: float, rounds: int = 600) -> tuple[float, int]:
+    """Tokens per second (second half) and the longest K asked, for a drafter whose every round
+    costs ``t_round`` whatever its length and a verify costing 1 + 0.05 K plain steps; a parallel
+    drafter cannot propose more than ``parallel`` tokens."""
+    policy = DraftLengthPolicy(DraftLengthConfig(draft_max=6, adaptive=True), parallel=parallel)
+    rng = random.Random(0)
+    tokens, seconds, longest = 0, 0.0, 0
+    for i in range(rounds):
+        k = policy.next_k()
+        drafted = min(k, 4)  # the head proposes at most four tokens per forward
+        accepted = 0
+        while accepted < drafted and rng.random() < alpha:
+            accepted += 1
+        draft_s, verify_s = (t_round if k else 0.0), 1.0 + 0.05 * drafted
+        policy.update(drafted, accepted, draft_s, verify_s)
+        if i >= rounds // 2:
+            tokens, seconds, longest = tokens + accepted + 1, seconds + draft_s + verify_s, max(longest, k)
+    return tokens / seconds, longest
+
+
+def test_a_parallel_drafter_is_charged_per_round_and_asked_for_at_most_its_width():
+    """A head that drafts N tokens in one forward costs the same for a short round as for a long
+    one: charged per token, a short round looks dear per token and K drifts down; charged per
+    round, the policy keeps drafting what pays, and never asks for more than N."""
+    policy = DraftLengthPolicy(DraftLengthConfig(draft_max=6, adaptive=True), parallel=4)
+    policy.update(2, 1, 0.3, 1.1)
+    assert policy.draft_s(1) == policy.draft_s(4) == 0.3
+    for alpha in (0.6, 0.7):
+        per_round, longest = _realised(4, alpha, 0.15)
+        per_token, _ = _realised(0, alpha, 0.15)
+        assert longest <= 4 and per_round > 1.02 * per_token
+
+
+def test_the_engine_gives_the_policy_the_drafters_width(tiny_tokenizer):
+    """Through the engine: a drafter with ``parallel_tokens`` = 2 is never asked for more than 2
+    tokens, though the draft cap is 6 (a sequential drafter is asked for up to 6)."""
+    import torch
+
+    from speclm.drafters.base import Draft
+    from speclm.engine import generate_tokens
+    from speclm.models.hf import HFCausalLM
+    from speclm.sampling import SamplingParams
+
+    from .conftest import tiny_model
+
+    class Echo:  # proposes the last token again: often wrong, always valid
+        def __init__(self, width: int) -> None:
+            self.parallel_tokens, self.asked = width, []
+
+        def reset(self, prompt_ids):
+            pass
+
+        def propose(self, ctx):
+            self.asked.append(ctx.max_tokens)
+            return Draft(ctx.token_ids[-1:].repeat(min(ctx.max_tokens, self.parallel_tokens or 6)))
+
+        def on_verified(self, num_accepted, emitted):
+            pass
+
+    lm = HFCausalLM(tiny_model(len(tiny_tokenizer), seed=0), frozenset())
+    for width, most in ((2, 2), (0, 6)):
+        drafter = Echo(width)
+        params = SamplingParams(max_tokens=40, ignore_eos=True)
+        for _ in generate_tokens(lm, torch.tensor([5, 6, 7]), params, drafter=drafter,
+                                 draft_length=DraftLengthConfig(draft_max=6, adaptive=True)):
+            pass
+        assert max(drafter.asked) == most

@@ -268,7 +268,9 @@ def test_training_lowers_loss_and_checkpoints_roundtrip(target, tmp_path, kind):
     spec, stats = run(lm, prompt, greedy, drafter, 2)
     assert spec == plain and stats.tau > 1.2  # it learnt these very answers
     if getattr(module, "parallel", 0):  # a parallel head drafts its chain in one forward
-        assert drafter.head.parallel == 3 and drafter.tree is None
+        assert drafter.head.parallel == 3 and drafter.tree is None and drafter.parallel_tokens == 3
+    else:
+        assert getattr(drafter, "parallel_tokens", 0) == 0
 
 
 def test_bfloat16_training_runs_the_products_in_bfloat16_and_keeps_float32_state(target):
@@ -489,7 +491,8 @@ def test_train_drafter_parallel_head_started_from_another(model_dirs, tmp_path, 
     (["--rows", "0"], "--rows must be > 0"),
     (["--data-minutes", "0"], "--data-minutes must be > 0"),
     (["--max-feature-gb", "-2"], "--max-feature-gb must be > 0"),
-    (["--self-prompts", "-1"], "--self-prompts must be >= 0"),
+    (["--self-prompts", "-1"], "--passage-prompts must be >= 0, got 2, 0, -1 and 0"),
+    (["--passage-prompts", "-3"], "--passage-prompts must be >= 0, got 2, 0, 0 and -3"),
     (["--self-prompts", "4", "--self-prompt-starts", "/no/such/file.txt"], "--self-prompt-starts: not tasks"),
 ])
 def test_train_drafter_bad_input(argv, needle, model_dirs, tmp_path, capsys):

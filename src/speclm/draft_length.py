@@ -7,7 +7,10 @@ maximises expected tokens per second from measured quantities:
     cost(K)       = verify(1 + K) + K * t_draft           (verify(1): a plain step; K = 0: no draft)
 
 alpha is an exponential moving average of the per-token acceptance rate and t_draft of the
-measured drafting time per token. ``verify(T)`` comes from the target's measured cost model
+measured drafting time per token. A drafter that proposes its whole draft in one forward
+(``parallel_tokens`` = N > 0, speclm.drafters.base) costs about the same per round whatever K is,
+so for it the draft term is t_round (measured per round, not per token) and K <= N; charging it
+per token would make a short round look dear per token and push K lower still. ``verify(T)`` comes from the target's measured cost model
 (speclm.cost_model: seconds per forward of T tokens, timed once per model and backend and
 cached) scaled by a moving average of measured / predicted step times, so the policy knows from
 the first round whether a wide verify is nearly free (a GPU) or costs ~0.3 plain steps per token
@@ -60,19 +63,21 @@ class DraftLengthPolicy:
     """Chooses K per round; fed back with what each round drafted, accepted and cost.
 
     ``prior``: the target's measured cost model (speclm.cost_model.CostModel); None learns
-    the verify cost from the rounds alone."""
+    the verify cost from the rounds alone. ``parallel``: the drafter's ``parallel_tokens`` (0: it
+    pays one forward per drafted token)."""
 
     _EMA = 0.2  # weight of the newest observation
 
-    def __init__(self, config: DraftLengthConfig, prior: CostModel | None = None) -> None:
+    def __init__(self, config: DraftLengthConfig, prior: CostModel | None = None, parallel: int = 0) -> None:
         self.config = config
         self.prior = prior
+        self.parallel = parallel
         self.scale = 1.0  # measured / the prior's predicted step time (moving average)
         self.alpha = 0.6  # prior per-token acceptance
         self.t_plain: float | None = None
         self.t_verify: float | None = None  # seen at all: K may be chosen
         self.t_token: float = 0.0  # a verify's time over a plain step, per drafted token
-        self.t_draft: float | None = None  # per drafted token (None: nothing drafted yet)
+        self.t_draft: float | None = None  # per drafted token, or per round if parallel (None: nothing drafted yet)
         self._plain_streak = 0
         self._verified_k = 0  # K of the latest verify
 
@@ -87,6 +92,14 @@ class DraftLengthPolicy:
             return self.scale * self.prior.verify_s(1 + k)
         return self.t_plain + k * self.t_token
 
+    def planned_verify_s(self, k: int) -> float | None:
+        """The cost model's own seconds for verifying ``k`` drafted tokens, unscaled by live
+        timings: what a seeded request's draft shape is planned from (None: no cost model, or
+        one measured on a busy machine, which is measured again next time)."""
+        if self.prior is None or self.prior.noisy:
+            return None
+        return self.prior.verify_s(1 + k)
+
     def next_k(self, exploring: bool = False) -> int:
         """K for the next round. ``exploring``: the drafter is measuring its candidates (``auto``,
         plain decoding among them), so a plain step is its decision to make, not this one's."""
@@ -94,7 +107,7 @@ class DraftLengthPolicy:
         if not cfg.adaptive:
             return cfg.draft_max
         if self.prior is None and self.t_verify is None:
-            return cfg.draft_max
+            return self._top
         if self.prior is None and self.t_plain is None:
             return 0  # measure one plain step: the cost every draft must beat
         best_k = self._best_k(self.alpha)
@@ -105,15 +118,24 @@ class DraftLengthPolicy:
                 return max(cfg.draft_min, 1, self._best_k(max(self.alpha, PROBE_ALPHA)))
         return best_k
 
+    @property
+    def _top(self) -> int:
+        """The longest draft worth asking for: a parallel drafter proposes at most its width."""
+        return min(self.config.draft_max, self.parallel) if self.parallel else self.config.draft_max
+
     def _best_k(self, alpha: float) -> int:
         """The K in {0, draft_min..draft_max} with the most expected tokens per second."""
         cfg = self.config
         best_k, best_rate = 0, 1.0 / self.verify_s(0)
-        for k in range(max(cfg.draft_min, 1), cfg.draft_max + 1):
-            rate = expected_tokens(k, alpha) / (self.verify_s(k) + k * (self.t_draft or 0.0))
+        for k in range(max(cfg.draft_min, 1), self._top + 1):
+            rate = expected_tokens(k, alpha) / (self.verify_s(k) + self.draft_s(k))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k
+
+    def draft_s(self, k: int) -> float:
+        """Expected seconds of drafting ``k`` tokens (0 before anything was drafted)."""
+        return (self.t_draft or 0.0) * (1 if self.parallel else k)
 
     def update(self, drafted: int, accepted: int, draft_time: float, target_time: float) -> None:
         w = self._EMA
@@ -131,8 +153,8 @@ class DraftLengthPolicy:
         self.t_verify = target_time if self.t_verify is None else (1 - w) * self.t_verify + w * target_time
         if self.t_plain is not None:
             self.t_token = (1 - w) * self.t_token + w * max(0.0, target_time - self.t_plain) / drafted
-        per_token = draft_time / drafted  # the first draft sets it: a moving average from 0
-        self.t_draft = per_token if self.t_draft is None else (1 - w) * self.t_draft + w * per_token
+        unit = draft_time if self.parallel else draft_time / drafted  # the first draft sets it
+        self.t_draft = unit if self.t_draft is None else (1 - w) * self.t_draft + w * unit
         self.alpha = update_acceptance(self.alpha, drafted, accepted, w)
 
 

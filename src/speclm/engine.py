@@ -41,7 +41,13 @@ import torch.nn.functional as F
 from .batch.draft_policy import BatchDraftConfig, BatchDraftPolicy
 from .cost_model import CostModel
 from .draft_length import DraftLengthConfig, DraftLengthPolicy, update_acceptance
-from .drafters.base import Draft, DraftContext, Drafter, wanted_target_topk
+from .drafters.base import (
+    Draft,
+    DraftContext,
+    Drafter,
+    parallel_tokens,
+    wanted_target_topk,
+)
 from .errors import SpeclmError
 from .models.base import CausalLM
 from .models.rows import RowsOutput, SlotRows, TargetRows
@@ -235,7 +241,7 @@ class Engine:
                 seq.drafter = self.drafter_factory(self.rows.handle(seq.slot))
             if seq.drafter is not None:
                 seq.drafter.reset(seq.committed)
-                seq.policy = DraftLengthPolicy(self.draft_length, self.cost_prior)
+                seq.policy = DraftLengthPolicy(self.draft_length, self.cost_prior, parallel_tokens(seq.drafter))
         return bool(joining)
 
     def _prefill(self, report: StepReport) -> bool:
@@ -321,7 +327,11 @@ class Engine:
         k_max = min(k_max, seq.budget - 1)
         if k_max <= 0:
             return None
-        timed = not seq.fixed_draft and cfg.adaptive and seq.policy.knows_cost
+        if seq.fixed_draft:  # a seeded request: a tree planned from the cached cost model alone
+            planned = cfg.adaptive and seq.policy.planned_verify_s(0) is not None
+            return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
+                                seq.policy.planned_verify_s if planned else None, planned)
+        timed = cfg.adaptive and seq.policy.knows_cost
         return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
                             seq.policy.verify_s if timed else None)
 

@@ -20,6 +20,10 @@ Optional members, looked up with ``getattr`` so that a drafter without them cost
   tokens after each of them (``topk_ids`` [k + 1, t], on the target's device). The top-k is taken
   on the device before the round's one host sync, so asking adds no sync; not asking adds no work.
   Token recycling learns its candidate table from this.
+- ``parallel_tokens: int`` (> 0): the drafter proposes up to this many tokens per round in one
+  forward of its own (a head trained for parallel drafting), so a round's draft costs about the
+  same whatever its length; the adaptive draft length then charges drafting per round, not per
+  token, and asks for at most this many.
 - ``probing: bool``: True while the drafter measures candidates of its own, plain decoding
   among them (``auto``); the adaptive draft length then leaves K = 0 to it.
 - ``on_prefill(held)``: called after each chunk of the prompt the target prefills, with the
@@ -58,8 +62,11 @@ class DraftContext:
     #               target's own layers on its batched cache read it; slots move between steps)
     verify_s: Callable[[int], float] | None = None  # seconds the target's forward is expected to
     #               take verifying n drafted tokens of this row (measured); a tree drafter keeps
-    #               the nodes that pay for it. None: keep the configured size (fixed or seeded
-    #               drafts, whose shape must not depend on timing, or no cost known yet)
+    #               the nodes that pay for it. None: keep the configured size (fixed drafts, or
+    #               no cost known yet)
+    planned: bool = False  # seeded sampling: the draft's shape must not depend on timing or on
+    #               earlier rounds, so ``verify_s`` is the cached cost model's plan alone and a
+    #               tree is sized from it without measured draft times or calibration
 
 
 @dataclass
@@ -114,6 +121,11 @@ class Drafter(Protocol):
 def wanted_target_topk(drafter: object | None) -> int:
     """How many target candidates per position ``drafter`` asks for (0: none; see above)."""
     return max(0, int(getattr(drafter, "wants_target_topk", 0) or 0)) if drafter is not None else 0
+
+
+def parallel_tokens(drafter: object | None) -> int:
+    """Tokens ``drafter`` proposes in one forward per round (0: one forward per token; see above)."""
+    return max(0, int(getattr(drafter, "parallel_tokens", 0) or 0)) if drafter is not None else 0
 
 
 def drafter_report(drafter: object | None) -> dict | None:

@@ -202,7 +202,7 @@ class DraftModelDrafter:
         self._synced = total
         if self.tree is not None:  # tree nodes are dropped from the cache after the round
             return grow_tree(torch.log_softmax(self._fit_vocab(logits)[0].float(), -1), self,
-                             max_tokens, self.tree, ctx.verify_s, self.sizer)
+                             max_tokens, self.tree, ctx.verify_s, self.sizer, ctx.planned)
 
         def step(token: torch.Tensor, i: int) -> torch.Tensor:
             self._fed_drafts += 1

@@ -36,6 +36,11 @@ class EagleDrafter:
         self._param = next(head.parameters())
         self.reset(torch.empty(0, dtype=torch.long))
 
+    @property
+    def parallel_tokens(self) -> int:
+        """Tokens one head forward proposes (0: one per forward): see speclm.drafters.base."""
+        return self.head.parallel if self.tree is None else 0
+
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.cache = self._new_cache()
         self.processed = 0  # pairs (features at t, token t + 1) in the head's cache
@@ -102,7 +107,7 @@ class EagleDrafter:
         if self.tree is not None:
             self._fed_hidden = self.root_hidden.new_empty(0, self.root_hidden.shape[0])
             return grow_tree(torch.log_softmax(root_logits[0], -1), self, ctx.max_tokens, self.tree,
-                             ctx.verify_s, self.sizer)
+                             ctx.verify_s, self.sizer, ctx.planned)
         return self._chain(root_logits, ctx)
 
     def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:

@@ -64,6 +64,11 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                         "with one opening per line (\\n for a line break; an empty line: free); each "
                         "choice keeps its own store of prompts, so prompts written before this "
                         "option existed are found again with free (default: %(default)s)")
+    p.add_argument("--passage-prompts", type=number(int), default=0, metavar="N",
+                   help="also train on N prompts built on the target's own answers to the other "
+                        "prompts: translate, summarise, list the points of, or answer a question "
+                        "from one or two of them, so the data covers long inputs the model reads "
+                        "(answered after the other prompts, in the same data stage) (default: 0)")
     p.add_argument("--rows", type=number(int), default=64,
                    help="answers decoded together, one batched forward per step (default: %(default)s)")
     p.add_argument("--max-feature-gb", type=number(float), default=16.0,
@@ -169,9 +174,9 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, flag)
         if value is not None and value <= 0:
             raise SpeclmError(f"--{flag.replace('_', '-')} must be > 0, got {value}")
-    if args.unroll < 0 or args.seed < 0 or args.self_prompts < 0:
-        raise SpeclmError(f"--unroll, --seed and --self-prompts must be >= 0, got {args.unroll}, "
-                          f"{args.seed} and {args.self_prompts}")
+    if min(args.unroll, args.seed, args.self_prompts, args.passage_prompts) < 0:
+        raise SpeclmError(f"--unroll, --seed, --self-prompts and --passage-prompts must be >= 0, got "
+                          f"{args.unroll}, {args.seed}, {args.self_prompts} and {args.passage_prompts}")
     if args.parallel_draft and (args.method != "eagle" or args.parallel_draft < 2):
         raise SpeclmError(f"--parallel-draft is for --method eagle and at least 2, got {args.parallel_draft}")
     if args.init is not None:
@@ -215,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
                               fingerprint=identity.fingerprint, feature_layers=layers,
                               max_new_tokens=args.max_new_tokens, folder=out, rows=args.rows,
                               deadline=deadline, max_feature_bytes=int(args.max_feature_gb * 2**30),
-                              load=not args.data_only)
+                              load=not args.data_only, passages=args.passage_prompts, seed=args.seed)
     if args.data_only:
         print(f"speclm: data stages done in {(time.monotonic() - start) / 60:.1f} min; run again without "
               f"--data-only (same --out) to train", file=sys.stderr)
