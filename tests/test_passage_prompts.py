@@ -92,3 +92,4 @@ def test_build_dataset_answers_the_passage_prompts_and_a_rerun_answers_nothing(t
 def test_every_task_takes_passages_and_an_optional_question(task):
     text = task.format("first passage", "second passage", question="what?")
     assert "first passage" in text and "{" not in text
+

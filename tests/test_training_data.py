@@ -1,6 +1,7 @@
 """Training data for drafters at scale: batched answers equal solo greedy decoding, every stage
 resumes after an interruption without duplicating anything, self-written prompts are filtered and
-deduplicated, and feature shards respect their bounds."""
+deduplicated, feature shards respect their bounds, and the held-out split stays put as the store
+grows."""
 
 from __future__ import annotations
 
@@ -239,3 +240,23 @@ def test_features_recorded_while_answering_equal_a_teacher_forced_pass(lm, tiny_
     answer_prompts(lm, tiny_tokenizer, ["one more prompt"], AnswerStore(tmp_path / "more"), max_new_tokens=4,
                    features=full, feature_layers=layers, max_feature_bytes=0, progress=False)
     assert not full.keys
+
+
+def test_the_held_out_split_is_drawn_per_answer_and_stable_as_the_store_grows():
+    """A head measured on held-out answers, then trained further on a grown store, must not
+    train on what it was measured on: an answer's side depends on its key and the seed only."""
+    from speclm.learned.command import split_held_out
+    from speclm.learned.train import Sequence
+
+    def store(n: int) -> list[Sequence]:
+        return [Sequence(torch.tensor([i]), 0, torch.zeros(1, 1), None, text_key(f"prompt {i}")) for i in range(n)]
+
+    small_held, small_train = split_held_out(store(300), 0.1, seed=0)
+    big_held, big_train = split_held_out(store(3000), 0.1, seed=0)
+    keys = lambda seqs: {s.key for s in seqs}  # noqa: E731
+    assert keys(small_held) <= keys(big_held) and keys(small_train) <= keys(big_train)
+    assert not keys(big_held) & keys(big_train) and len(big_held) + len(big_train) == 3000
+    assert 240 <= len(big_held) <= 360  # about a tenth
+    assert keys(split_held_out(store(3000), 0.1, seed=1)[0]) != keys(big_held)  # the seed draws anew
+    tiny_held, tiny_train = split_held_out(store(2), 0.1, seed=0)
+    assert len(tiny_held) == 1 and len(tiny_train) == 1  # at least one of each

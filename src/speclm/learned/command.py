@@ -10,6 +10,7 @@ epoch, so an interrupted run leaves a usable drafter and running the same comman
 from __future__ import annotations
 
 import argparse
+import hashlib
 import random
 import sys
 import time
@@ -102,11 +103,27 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                         "fresh")
     p.add_argument("--unroll", type=number(int), default=2,
                    help="eagle: training-time-test steps on its own outputs (default: %(default)s)")
-    p.add_argument("--held-out", type=number(float), default=0.1, help="fraction held out (default: %(default)s)")
+    p.add_argument("--held-out", type=number(float), default=0.1, help="fraction of the answers held out, each drawn by a hash of its prompt and --seed, so "
+                        "answers held out stay held out as the store grows (default: %(default)s)")
     p.add_argument("--restart", action="store_true", help="ignore a saved training state in --out")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     p.add_argument("--seed", type=number(int), default=0)
     return p
+
+
+def split_held_out(sequences: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(held out, train): each answer is held out by a hash of its key and the seed, so a store
+    that grows keeps its held-out answers held out (a head trained before, then continued with
+    ``--init`` or resumed on more data, never trains on what it is measured on). At least one of
+    each, for stores of a handful of answers."""
+    def draw(s) -> float:
+        return int(hashlib.sha256(f"{seed}:{s.key}".encode()).hexdigest()[:12], 16) / 16**12
+
+    ranked = sorted(sequences, key=draw)
+    cut = min(max(1, sum(draw(s) < fraction for s in ranked)), len(ranked) - 1)
+    train = ranked[cut:]
+    random.Random(seed).shuffle(train)
+    return ranked[:cut], train
 
 
 def _prompt_starts(spec: str) -> tuple[str, ...]:
@@ -228,9 +245,7 @@ def run(args: argparse.Namespace) -> int:
     data_minutes = (time.monotonic() - start) / 60
     if len(sequences) < 4:
         raise SpeclmError(f"only {len(sequences)} usable answers; give more prompts")
-    random.Random(args.seed).shuffle(sequences)
-    cut = max(1, int(len(sequences) * args.held_out))
-    held_out, train = sequences[:cut], sequences[cut:]
+    held_out, train = split_held_out(sequences, args.held_out, args.seed)
     vocab = args.draft_vocab if args.draft_vocab is not None else (0 if args.method == "medusa" else 8192)
     if vocab == 0 and args.method == "eagle":
         vocab = identity.vocab_size  # the whole vocabulary, in its own trained head

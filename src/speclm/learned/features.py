@@ -71,7 +71,7 @@ class FeatureShards:
             for k, ids, plen, feats, nxt in zip(shard["keys"], shard["ids"], shard["prompt_len"],
                                                 shard["features"], shard["target_next"]):
                 if keys is None or k in keys:
-                    out.append(Sequence(ids, int(plen), feats, nxt))
+                    out.append(Sequence(ids, int(plen), feats, nxt, k))
         return out
 
 

@@ -41,6 +41,7 @@ class Sequence:
     prompt_len: int  # answer tokens start here
     features: torch.Tensor  # [T, F] target hidden states (the drafter's feature layers), float16
     target_next: torch.Tensor | None = None  # [T] the target's greedy choice after each position
+    key: str = ""  # the answer store's key of the prompt (what the held-out split is drawn from)
 
 
 @dataclass
