@@ -150,6 +150,21 @@ def test_hidden_states_of_selected_layers(quick, target64, fed):
         assert quick._step.seen_hidden == graphs
 
 
+def test_the_first_graph_with_hidden_states_is_one_graph():
+    """transformers installs its hidden-state hooks on the first forward that asks for hidden
+    states; traced inside the step, that broke the first such graph in two (two graphs a call,
+    ~1.8x a plain step). The step installs them eagerly first: no graph break."""
+    from torch._dynamo.utils import counters
+
+    fresh = make_compiled(tiny_model(VOCAB, seed=4), EOS, buckets=(1, 4), capacities=(32,),
+                          compile_backend="aot_eager")
+    fresh.forward(_ids(5, 3), 0)
+    before = sum(counters["graph_break"].values())
+    out = fresh.forward(_ids(1), 5, return_hidden=[0, -1])
+    assert out.hidden_states[-1].shape[0] == 1
+    assert sum(counters["graph_break"].values()) == before
+
+
 def test_fork_shares_weights_and_step(quick, target64):
     other = quick.fork()
     assert other.model is quick.model and other._step is quick._step

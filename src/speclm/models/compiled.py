@@ -137,6 +137,21 @@ class _Step:
         self.skip_guards = True
         self.warming = False
         self.graphs = 8  # graphs dynamo may keep of the step (allow_graphs)
+        self._hooks_installed = False
+
+    def _install_output_hooks(self) -> None:
+        """transformers installs the hooks that capture hidden states on the first forward that
+        asks for them. Traced inside the compiled step, that installation breaks the graph, and
+        the first graph compiled with hidden states then ran two graphs a call: ~1.8x a plain
+        step (60 against 34 ms for one bfloat16 token on the default model). One eager forward
+        of one token, without a cache, installs them before anything is traced."""
+        if self._hooks_installed:
+            return
+        first = next(self.model.parameters())
+        with torch.no_grad():
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=first.device), use_cache=False,
+                       output_hidden_states=True)
+        self._hooks_installed = True
 
     def allow_graphs(self, graphs: int) -> None:
         """Raise dynamo's recompile limits to hold ``graphs`` graphs of the step (more, never
@@ -166,6 +181,8 @@ class _Step:
             print(f"speclm: compiling a step for {rows}{key[-2]} tokens over {key[-1]} cache slots"
                   f"{hidden} (one time)...", file=sys.stderr)
         _raise_dynamo_limits(self.graphs)  # dynamo's limits are per thread
+        if layers:
+            self._install_output_hooks()
         out = self.compiled(*args, layers)
         seen.add(entry)
         return out
