@@ -8,12 +8,12 @@ maximises expected tokens per second from measured quantities:
 
 alpha is an exponential moving average of the per-token acceptance rate and t_draft of the
 measured drafting time per token. A drafter that proposes its whole draft in one forward
-(``parallel_tokens`` = N > 0, speclm.drafters.base) costs about the same per round whatever K is,
-so for it the draft term is t_round (measured per round, not per token) and K <= N; charging it
-per token would make a short round look dear per token and push K lower still. ``verify(T)`` comes from the target's measured cost model
-(speclm.cost_model: seconds per forward of T tokens, timed once per model and backend and
-cached) scaled by a moving average of measured / predicted step times, so the policy knows from
-the first round whether a wide verify is nearly free (a GPU) or costs ~0.3 plain steps per token
+(``parallel_tokens`` = N > 0, speclm.drafters.base) costs about the same per round whatever K
+is, so for it the draft term is t_round (measured per round, not per token) and K <= N;
+charging it per token would make a short round look dear per token and push K lower still.
+``verify(T)`` comes from the target's measured cost model (speclm.cost_model: seconds per
+forward of T tokens, timed once per model and backend and cached) scaled by a moving average of
+measured / predicted step times, so the policy knows from the first round whether a wide verify is nearly free (a GPU) or costs ~0.3 plain steps per token
 (llama.cpp on a CPU). Without a cost model it is learned from the rounds themselves as
 ``t_plain + K * t_token``. K == 0 (a plain step) wins when drafting cannot pay; a draft is then
 still tried every ``probe_every`` rounds so the acceptance estimate can recover. That probe is
@@ -77,7 +77,7 @@ class DraftLengthPolicy:
         self.t_plain: float | None = None
         self.t_verify: float | None = None  # seen at all: K may be chosen
         self.t_token: float = 0.0  # a verify's time over a plain step, per drafted token
-        self.t_draft: float | None = None  # per drafted token, or per round if parallel (None: nothing drafted yet)
+        self.t_draft: float | None = None  # per drafted token, per round if parallel (None: not yet)
         self._plain_streak = 0
         self._verified_k = 0  # K of the latest verify
 

@@ -103,8 +103,10 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                         "fresh")
     p.add_argument("--unroll", type=number(int), default=2,
                    help="eagle: training-time-test steps on its own outputs (default: %(default)s)")
-    p.add_argument("--held-out", type=number(float), default=0.1, help="fraction of the answers held out, each drawn by a hash of its prompt and --seed, so "
-                        "answers held out stay held out as the store grows (default: %(default)s)")
+    p.add_argument("--held-out", type=number(float), default=0.1,
+                   help="fraction of the answers held out, each drawn by a hash of its prompt and "
+                        "--seed, so answers held out stay held out as the store grows (default: "
+                        "%(default)s)")
     p.add_argument("--restart", action="store_true", help="ignore a saved training state in --out")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: %(default)s)")
     p.add_argument("--seed", type=number(int), default=0)
