@@ -316,3 +316,25 @@ def test_bfloat16_cast_keeps_rotary_frequencies_float32(target32):
     assert torch.equal(rotary["model.rotary_emb.inv_freq"],
                        dict(target32.named_buffers())["model.rotary_emb.inv_freq"])
     assert next(fast.model.parameters()).dtype == torch.bfloat16
+
+
+def test_warmup_compiles_up_to_a_trees_node_budget(target64):
+    """A token tree verifies up to its node budget, more than the draft cap K: warming up for
+    an EAGLE tree compiles the feature steps up to 1 + budget tokens, so that no graph is
+    compiled inside a request (a bench's or a server's)."""
+    from speclm.api import LLM, Speculation
+    from speclm.draft_length import DraftLengthConfig
+    from speclm.drafters.eagle import EagleDrafter
+    from speclm.drafters.tree_search import TreeShape
+    from speclm.learned.modules import EagleHead
+
+    fast = make_compiled(target64, EOS, buckets=(1, 2, 4, 8, 16, 32), capacities=(64,),
+                         compile_backend="aot_eager")
+    head = EagleHead.create(target64, [1, 2], torch.arange(VOCAB)).double()
+    embed = target64.get_input_embeddings()
+    llm = LLM.__new__(LLM)
+    llm.target = fast
+    for shape, top in ((None, 4), (TreeShape(top_k=3, budget=10), 16)):  # K = 3: 4 tokens; 11
+        drafter = EagleDrafter(head, embed, [1, 2], VOCAB, shape)
+        llm.warmup(Speculation(drafter, DraftLengthConfig(3, 0, True), "eagle"))
+        assert {key[0][0] for key in fast._step.seen_hidden} == {b for b in (1, 2, 4, 8, 16) if b <= top}

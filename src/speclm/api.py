@@ -17,6 +17,7 @@ from .cost_model import WIDTHS, CostModel, cost_model, model_file
 from .detokenize import IncrementalDetokenizer
 from .draft_length import DraftLengthConfig
 from .drafters import DraftModelDrafter, Drafter, check_vocab_compatible
+from .drafters.base import max_draft_tokens
 from .drafters.draft_rows import DraftRows
 from .drafters.registry import KINDS, BuildContext, build_drafter, drafter_label, is_drafter_spec, parse_drafter
 from .drafters.tree_search import TreeShape
@@ -152,8 +153,8 @@ class LLM:
 
     def warmup(self, speculation: Speculation | int | None = None, longest: int = 0,
                layers: Sequence[int] = ()) -> None:
-        """Compile the fast path's steps for ``speculation``'s widest verify (or a draft cap
-        K) now, rather than in the middle of a request, for requests of up to ``longest``
+        """Compile the fast path's steps for ``speculation``'s widest verify (its draft cap or
+        its drafter's tree budget, whichever is larger; or a bare draft cap K) now, rather than in the middle of a request, for requests of up to ``longest``
         positions (prompt plus new tokens; 0: the smallest cache size); for a drafter that
         reads the target's features (or ``layers`` with a bare K), the steps that return them.
         A no-op for the eager and llama.cpp backends."""
@@ -163,8 +164,10 @@ class LLM:
         caps = getattr(self.target, "capacities", ())
         fits = [c for c in caps if c >= longest]
         caps = [c for c in caps if not fits or c <= fits[0]] if longest else None
-        k = speculation.draft_length.draft_max if isinstance(speculation, Speculation) else (speculation or 0)
-        if isinstance(speculation, Speculation):  # EAGLE/Medusa: the steps that return features
+        k = speculation or 0
+        if isinstance(speculation, Speculation):  # a tree may verify more tokens than K
+            k = max_draft_tokens(speculation.drafter, speculation.draft_length.draft_max)
+            # EAGLE/Medusa: the steps that return features
             layers = getattr(speculation.drafter, "feature_layers", None) or ()
         warm(k, capacities=caps, layers=layers)
 

@@ -24,6 +24,9 @@ Optional members, looked up with ``getattr`` so that a drafter without them cost
   forward of its own (a head trained for parallel drafting), so a round's draft costs about the
   same whatever its length; the adaptive draft length then charges drafting per round, not per
   token, and asks for at most this many.
+- ``max_draft_tokens: int``: the most tokens one draft may hold where that exceeds the round's
+  K (a token tree's node budget). The compiled path compiles its steps for verifies of up to
+  ``1 + max(K, max_draft_tokens)`` tokens before the first request, not inside one.
 - ``probing: bool``: True while the drafter measures candidates of its own, plain decoding
   among them (``auto``); the adaptive draft length then leaves K = 0 to it.
 - ``on_prefill(held)``: called after each chunk of the prompt the target prefills, with the
@@ -126,6 +129,13 @@ def wanted_target_topk(drafter: object | None) -> int:
 def parallel_tokens(drafter: object | None) -> int:
     """Tokens ``drafter`` proposes in one forward per round (0: one forward per token; see above)."""
     return max(0, int(getattr(drafter, "parallel_tokens", 0) or 0)) if drafter is not None else 0
+
+
+def max_draft_tokens(drafter: object | None, draft_max: int) -> int:
+    """The most tokens a round of ``drafter`` may ask the target to verify beyond the pending
+    one, with a draft cap of ``draft_max``: its tree budget where it has one."""
+    own = int(getattr(drafter, "max_draft_tokens", 0) or 0) if drafter is not None else 0
+    return max(draft_max, own)
 
 
 def drafter_report(drafter: object | None) -> dict | None:

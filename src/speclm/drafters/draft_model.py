@@ -172,6 +172,11 @@ class DraftModelDrafter:
         self._round_start = 0  # committed length when the last draft was made
         self._fed_drafts = 0  # draft tokens of the last round that went through the draft model
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """A tree's node budget (0 for a chain): see speclm.drafters.base."""
+        return self.tree.budget if self.tree is not None else 0
+
     def reset(self, prompt_ids: torch.Tensor) -> None:
         """Prefill the draft with the prompt (all but the last token, like the target), so the
         cost is counted as prefill rather than drafting."""

@@ -41,6 +41,11 @@ class EagleDrafter:
         """Tokens one head forward proposes (0: one per forward): see speclm.drafters.base."""
         return self.head.parallel if self.tree is None else 0
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """A tree's node budget (0 for a chain: K bounds it): see speclm.drafters.base."""
+        return self.tree.budget if self.tree is not None else 0
+
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.cache = self._new_cache()
         self.processed = 0  # pairs (features at t, token t + 1) in the head's cache

@@ -50,6 +50,11 @@ class MedusaDrafter:
                       for d in range(1, heads.num_heads + 1)}
         self.last_hidden: torch.Tensor | None = None  # [H]
 
+    @property
+    def max_draft_tokens(self) -> int:
+        """The static tree's nodes: see speclm.drafters.base."""
+        return max(t.num_nodes for t in self.trees.values())
+
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self.last_hidden = None
 

@@ -113,6 +113,7 @@ def build_app(opts: ServeOptions):
 def _build_engine(opts: ServeOptions):
     """The model, its rows, one drafter per request and the engine over them, warmed up."""
     from ..api import LLM
+    from ..drafters.base import max_draft_tokens
     from ..drafters.registry import grows_trees, parse_drafter
     from ..engine import Engine
     from ..models.rows import make_rows
@@ -139,10 +140,12 @@ def _build_engine(opts: ServeOptions):
     else:
         layers = ()
     warm_rows = getattr(rows, "warmup", None)  # the compiled path's batched steps
+    # the widest verify: the draft cap, or a tree drafter's node budget where that is larger
+    widest = max_draft_tokens(first, draft_length.draft_max) if draft_length is not None else 0
     if callable(warm_rows):
-        warm_rows(draft_length.draft_max if draft_length is not None else 0, layers=layers)
+        warm_rows(widest, layers=layers)
     elif draft_length is not None:
-        llm.warmup(draft_length.draft_max, layers=layers)
+        llm.warmup(widest, layers=layers)
     # the adaptive draft cap starts from the target's measured verify cost (cached per model)
     prior = llm.cost_model(1 + draft_length.draft_max) if draft_length is not None and draft_length.adaptive else None
     engine = Engine(rows, drafter_factory=factory, draft_length=draft_length, cost_prior=prior,
