@@ -3,10 +3,11 @@
 from .api import LLM, RequestOutput, StreamChunk
 from .draft_length import DraftLengthConfig
 from .drafters import Draft, DraftContext, Drafter, DraftModelDrafter, NgramDrafter
-from .engine import Step, generate_tokens
+from .engine import generate_tokens
 from .errors import SpeclmError
 from .sampling import SamplingParams
 from .stats import RequestStats
+from .step import Step
 from .verifier import Verdict, verify
 
 __version__ = "0.1.0"

@@ -92,12 +92,17 @@ class DraftLengthPolicy:
             return self.scale * self.prior.verify_s(1 + k)
         return self.t_plain + k * self.t_token
 
-    def planned_verify_s(self, k: int) -> float | None:
+    @property
+    def can_plan(self) -> bool:
+        """Whether :meth:`planned_verify_s` can answer: a cost model measured on a quiet machine
+        (one measured on a busy machine is not cached, and measured again next time)."""
+        return self.prior is not None and not self.prior.noisy
+
+    def planned_verify_s(self, k: int) -> float:
         """The cost model's own seconds for verifying ``k`` drafted tokens, unscaled by live
-        timings: what a seeded request's draft shape is planned from (None: no cost model, or
-        one measured on a busy machine, which is measured again next time)."""
-        if self.prior is None or self.prior.noisy:
-            return None
+        timings: what a seeded request's draft shape is planned from (see :attr:`can_plan`)."""
+        if not self.can_plan:
+            raise RuntimeError("no quiet cost model to plan from")
         return self.prior.verify_s(1 + k)
 
     def next_k(self, exploring: bool = False) -> int:

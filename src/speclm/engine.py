@@ -5,13 +5,13 @@ one (:func:`generate_tokens`), ``speclm serve`` a continuous batch that requests
 between steps. Invariant per row: the target's cache slot holds every committed token but the
 last (the *pending* token). One :meth:`Engine.step`:
 
-1. retire rows that ended; admit waiting requests into free slots; feed prompts to the target
+1. retire rows that ended; admit waiting requests into free slots (speclm.slots); feed prompts to the target
    a chunk at a time under a per-step token budget (chunked prefill), so that a long prompt
    never holds running rows up for more than about one chunk's forward;
-2. draft: each decoding row's drafter proposes up to the row's K (its own measured acceptance
-   and the target's cost: :class:`~speclm.draft_length.DraftLengthPolicy`), a chain or a token
-   tree; with several rows the batch policy may cap deterministic chains further, from the
-   measured cost of the step's (rows x tokens) (speclm.batch.draft_policy);
+2. draft (speclm.proposals): each decoding row's drafter proposes up to the row's K (its own
+   measured acceptance and the target's cost: :class:`~speclm.draft_length.DraftLengthPolicy`),
+   a chain or a token tree; with several rows the batch policy may cap deterministic chains
+   further, from the measured cost of the step's (rows x tokens) (speclm.batch.draft_policy);
 3. verify: one target forward runs ``[pending_b, d_b1 .. d_bk]`` for every row at its own
    positions (logits [B, T, V]); the one verifier judges each row with the row's own sampling
    params and generator, so a row's tokens never depend on its neighbours;
@@ -33,7 +33,6 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +42,6 @@ from .cost_model import CostModel
 from .draft_length import DraftLengthConfig, DraftLengthPolicy, update_acceptance
 from .drafters.base import (
     Draft,
-    DraftContext,
     Drafter,
     parallel_tokens,
     wanted_target_topk,
@@ -51,50 +49,15 @@ from .drafters.base import (
 from .errors import SpeclmError
 from .models.base import CausalLM
 from .models.rows import RowsOutput, SlotRows, TargetRows
+from .proposals import Proposals
 from .sampling import SamplingParams
 from .sequence import Sequence
+from .slots import arrange, prefill_groups
 from .stats import RequestStats
+from .step import SeqOutput, Step, StepReport
 from .structured.compiler import GrammarCompiler, request_matcher
-from .structured.drafts import commit_round, draft_masks, drafter_accepted, guided_draft
+from .structured.drafts import commit_round, draft_masks, drafter_accepted
 from .verifier import verify
-
-
-@dataclass
-class Step:
-    """Tokens committed by one round (EOS included when it ends the request)."""
-
-    tokens: list[int]
-    finish_reason: str | None = None  # "stop" (EOS), "length" (max_tokens or context) or None
-
-
-@dataclass
-class SeqOutput:
-    """What one step committed for one request."""
-
-    request_id: str
-    step: Step
-    stats: RequestStats  # live; complete once step.finish_reason is set
-
-
-@dataclass
-class StepReport:
-    """What one engine step did, for metrics."""
-
-    batch_size: int = 0  # rows in the decode forward (0: no decode this step)
-    fed_per_row: int = 0  # T = 1 + the longest draft verified
-    draft_cap: int = 0  # K of the widest row after the batch cap (0: a plain step)
-    longest_draft: int = 0  # the longest draft proposed before the batch cap
-    policy_plain: bool = False  # the batch policy made the step plain (drafts cut, or not asked for)
-    drafted: int = 0  # draft tokens verified, all rows
-    accepted: int = 0
-    committed: int = 0  # tokens committed, all rows
-    decode_s: float = 0.0  # target forward + verification
-    draft_s: float = 0.0
-    prefill_rows: int = 0
-    prefill_tokens: int = 0
-    prefill_s: float = 0.0
-    judged_per_position: list[int] = field(default_factory=list)  # [K] rows judged at position i
-    accepted_per_position: list[int] = field(default_factory=list)  # [K] rows accepted there
 
 
 def _sync(device: torch.device) -> None:
@@ -150,6 +113,7 @@ class Engine:
             self.batch_policy = BatchDraftPolicy(
                 BatchDraftConfig(self.draft_length.draft_max, self.draft_length.adaptive), cost_prior,
                 computed=rows.computed)
+        self.proposals = Proposals(self.draft_length, self.batch_policy)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] lives in slot i; decoding rows first
 
@@ -220,7 +184,7 @@ class Engine:
         report = StepReport()
         self._retire()
         if self._admit() | self._prefill(report):
-            self._arrange()  # rows that joined, or finished their prefill
+            self.running = arrange(self.running, self.rows)  # rows that joined, or finished their prefill
         decoding = sum(1 for s in self.running if s.decoding)
         outputs = self._decode(self.running[:decoding], report) if decoding else []
         self._retire()
@@ -256,7 +220,7 @@ class Engine:
         if not todo:
             return False
         start = time.perf_counter()
-        for group in _groups(todo):
+        for group in prefill_groups(todo):
             width = max(c for _, c in group)
             fed = torch.zeros(len(group), width, dtype=torch.long)  # [J, T] right-padded chunks
             for j, (seq, count) in enumerate(group):
@@ -282,99 +246,11 @@ class Engine:
         report.prefill_s = elapsed
         return True
 
-    def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
-        """The row's draft for this step, and whether its drafter was asked. Under a grammar,
-        forced tokens are drafted up to K without asking the drafter (speclm.structured)."""
-        if seq.grammar is not None and seq.policy is not None:
-            limit = min(self.draft_length.draft_max, seq.budget - 1)
-            return guided_draft(seq.grammar, lambda: self._drafter_draft(seq), limit)
-        return self._drafter_draft(seq)
-
-    def _drafter_draft(self, seq: Sequence) -> tuple[Draft, bool]:
-        ctx = self._ask(seq)
-        if ctx is None:
-            return Draft.empty(), False
-        return self._checked(seq, seq.drafter.propose(ctx), ctx.max_tokens), True
-
-    def _proposals(self, batch: list[Sequence]) -> list[tuple[Draft, bool]]:
-        """Each row's draft, and whether its drafter was asked. Rows whose drafters share a
-        ``batch_group`` (a draft model's rows: drafters/draft_rows.py) draft in one call."""
-        shared: dict[int, list[int]] = {}
-        asks: dict[int, DraftContext | None] = {}
-        for b, seq in enumerate(batch):
-            group = getattr(seq.drafter, "batch_group", None)
-            if group is not None and seq.grammar is None:
-                asks[b] = ctx = self._ask(seq)
-                if ctx is not None:
-                    shared.setdefault(id(group), []).append(b)
-        found: dict[int, tuple[Draft, bool]] = {b: (Draft.empty(), False) for b, ctx in asks.items() if ctx is None}
-        for rows in shared.values():
-            group = batch[rows[0]].drafter.batch_group
-            drafts = group.propose_rows([batch[b].drafter for b in rows], [asks[b] for b in rows])
-            for b, draft in zip(rows, drafts):
-                found[b] = self._checked(batch[b], draft, asks[b].max_tokens), True
-        return [found[b] if b in found else self._propose(seq) for b, seq in enumerate(batch)]
-
-    def _ask(self, seq: Sequence) -> DraftContext | None:
-        """What the row's drafter is asked to draft this step (None: a plain step)."""
-        if seq.policy is None:
-            return None
-        cfg = self.draft_length
-        if seq.fixed_draft:
-            k_max = cfg.draft_max  # never from timing: a seed gives the same tokens every time
-        else:
-            k_max = seq.policy.next_k(getattr(seq.drafter, "probing", False))
-        k_max = min(k_max, seq.budget - 1)
-        if k_max <= 0:
-            return None
-        if seq.fixed_draft:  # a seeded request: a tree planned from the cached cost model alone
-            planned = cfg.adaptive and seq.policy.planned_verify_s(0) is not None
-            return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
-                                seq.policy.planned_verify_s if planned else None, planned)
-        timed = cfg.adaptive and seq.policy.knows_cost
-        return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
-                            seq.policy.verify_s if timed else None)
-
-    def _checked(self, seq: Sequence, draft: Draft, k_max: int) -> Draft:
-        if draft.depth > k_max:
-            raise RuntimeError(f"{type(seq.drafter).__name__} proposed a draft of depth "
-                               f"{draft.depth}, more than the {k_max} it was asked for")
-        # Dropping a short draft is only lossless when the draft is a function of the context
-        # (greedy or prompt lookup). A sampled draft's length depends on its own draws, so
-        # dropping it would skew the accepted tokens: verify it anyway.
-        if draft.depth < self.draft_length.draft_min and draft.q_draft is None:
-            return Draft.empty()
-        return draft
-
-    def _worth_asking(self, batch: list[Sequence]) -> bool:
-        """Whether the rows' drafters are asked this step. With several rows the batch policy
-        may find that no draft could pay (speclm.batch.draft_policy); seeded rows and rows
-        under a grammar are always asked (their drafts never depend on timing)."""
-        if len(batch) < 2 or self.batch_policy is None or all(s.policy is None for s in batch):
-            return True  # (no drafters: nothing to skip)
-        if any(s.fixed_draft or s.grammar is not None for s in batch):
-            return True
-        return self.batch_policy.worth_asking(len(batch), _alphas(batch), self.draft_length.draft_max)
-
-    def _cap(self, batch: list[Sequence], drafts: list[Draft], report: StepReport) -> list[Draft]:
-        """With several rows, cap deterministic chains by the batch's measured step cost.
-        Cutting a deterministic chain is lossless; sampled drafts, trees and seeded rows keep
-        theirs whole (their random draws must not depend on the batch)."""
-        fixed = [s.fixed_draft or d.q_draft is not None or d.tree is not None for s, d in zip(batch, drafts)]
-        cap = self.batch_policy.choose([d.depth for d in drafts], _alphas(batch), fixed)
-        return [d if f or d.num_tokens <= cap else Draft(d.tokens[:cap]) for d, f in zip(drafts, fixed)]
-
     def _decode(self, batch: list[Sequence], report: StepReport) -> list[SeqOutput]:
         t0 = time.perf_counter()
-        if self._worth_asking(batch):
-            proposals = self._proposals(batch)
-        else:  # no draft could pay this step: plain, without asking the drafters
-            proposals = [(Draft.empty(), False)] * len(batch)
-            report.policy_plain = True
-        drafts = [d for d, _ in proposals]
-        report.longest_draft = max(d.depth for d in drafts)
-        if len(batch) > 1 and self.batch_policy is not None and report.longest_draft:
-            drafts = self._cap(batch, drafts, report)
+        proposed = self.proposals(batch)  # step 2: drafts (speclm.proposals)
+        drafts = proposed.drafts
+        report.longest_draft, report.policy_plain = proposed.longest, proposed.skipped
         masks = [draft_masks(s.grammar, d) if s.grammar is not None else None for s, d in zip(batch, drafts)]
         _sync(self.rows.device)
         t1 = time.perf_counter()
@@ -414,7 +290,7 @@ class Engine:
             self.rows.keep(seq.slot, seq.n, path)  # keeps [0, n) and the accepted nodes' entries
             seq.prefilled = seq.n + num_accepted
             _features(out, seq, b, [0] + [i + 1 for i in path])
-            if proposals[b][1]:
+            if proposed.asked[b]:
                 seq.drafter.on_verified(drafter_accepted(seq.grammar, num_accepted), emitted)
             if topks[b] is not None:
                 seq.drafter.on_target_topk(fed[b, : ks[b] + 1], topks[b])
@@ -477,55 +353,7 @@ class Engine:
             seq.close()
             self.rows.release(seq.slot)
         self.running = [s for s in self.running if s.finish_reason is None and not s.aborted]
-        self._arrange()
-
-    def _arrange(self) -> None:
-        """Decoding rows in slots 0 .. D-1, then prefilling rows in their order, moving as few
-        rows as possible (a decoding row already below D stays; others fill the holes)."""
-        slots = {s.slot: s for s in self.running}
-        decoding = [s for s in self.running if s.decoding]
-        num_dec = len(decoding)
-        staying = {s.slot for s in decoding if s.slot < num_dec}
-        holes = iter(sorted(set(range(num_dec)) - staying))
-        target = {id(s): (s.slot if s.slot in staying else next(holes)) for s in decoding}
-        prefilling = sorted((s for s in self.running if not s.decoding), key=lambda s: s.slot)
-        target.update({id(s): num_dec + i for i, s in enumerate(prefilling)})
-        order = sorted(self.running, key=lambda s: target[id(s)])
-        for want, seq in enumerate(order):
-            if seq.slot == want:
-                continue
-            other = slots.get(want)
-            if other is not None and other is not seq:
-                self.rows.swap(seq.slot, want)
-                other.slot, slots[seq.slot] = seq.slot, other
-            else:
-                self.rows.move(seq.slot, want)
-                del slots[seq.slot]
-            seq.slot, slots[want] = want, seq
-        self.running = order
-
-
-def _alphas(batch: list[Sequence]) -> list[float]:
-    """Each row's measured acceptance, as the batch policy reads it."""
-    return [s.policy.alpha if s.policy is not None else s.alpha for s in batch]
-
-
-def _groups(todo: list[tuple[Sequence, int]], waste: float = 0.25, slack: int = 64):
-    """Split prefill chunks (in slot order) into groups of adjacent slots that share one
-    padded forward: a group grows while its padding stays under ``waste`` of its tokens (or it is at most ``slack``
-    tokens wide), so short prompts batch together and a long one does not pad the rest."""
-    group: list[tuple[Sequence, int]] = []
-    for item in todo:
-        trial = group + [item]
-        real = sum(c for _, c in trial)
-        padded = len(trial) * max(c for _, c in trial)
-        apart = group and item[0].slot != group[-1][0].slot + 1  # a forward takes adjacent slots
-        if apart or (group and padded > slack and padded - real > waste * real):
-            yield group
-            trial = [item]
-        group = trial
-    if group:
-        yield group
+        self.running = arrange(self.running, self.rows)
 
 
 def generate_tokens(

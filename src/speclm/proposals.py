@@ -1,0 +1,139 @@
+"""Step 2 of the engine loop: what each decoding row's drafter proposes this step.
+
+Each row's K comes from its own :class:`~speclm.draft_length.DraftLengthPolicy` (measured
+acceptance and the target's cost) or, for a seeded sampling request, from the configuration
+alone (its random draws must not depend on timing). Rows whose drafters share a ``batch_group``
+(a draft model's rows: drafters/draft_rows.py) draft in one call; a row under a grammar gets its
+forced tokens without asking its drafter (speclm.structured). With several rows the batch policy
+(speclm.batch.draft_policy) may find that no draft could pay, or cap deterministic chains by the
+measured cost of the step's (rows x tokens).
+
+Drafters only propose: what is accepted is the verifier's business (speclm.verifier).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .batch.draft_policy import BatchDraftPolicy
+from .draft_length import DraftLengthConfig
+from .drafters.base import Draft, DraftContext
+from .sequence import Sequence
+from .structured.drafts import guided_draft
+
+
+@dataclass
+class Proposed:
+    """The step's drafts, one per decoding row."""
+
+    drafts: list[Draft]  # after the batch cap
+    asked: list[bool]  # whether the row's drafter was asked (it then hears the verdict)
+    longest: int  # the deepest draft before the batch cap (0: a plain step)
+    skipped: bool  # the batch policy found that no draft could pay: nobody was asked
+
+
+class Proposals:
+    """Builds each step's drafts for the engine (one per engine; it holds no per-row state)."""
+
+    def __init__(self, draft_length: DraftLengthConfig, batch_policy: BatchDraftPolicy | None) -> None:
+        self.draft_length = draft_length
+        self.batch_policy = batch_policy
+
+    def __call__(self, batch: list[Sequence]) -> Proposed:
+        worth = self._worth_asking(batch)
+        if worth:
+            proposals = self._proposals(batch)
+        else:  # no draft could pay this step: plain, without asking the drafters
+            proposals = [(Draft.empty(), False)] * len(batch)
+        drafts = [d for d, _ in proposals]
+        longest = max(d.depth for d in drafts)
+        if len(batch) > 1 and self.batch_policy is not None and longest:
+            drafts = self._cap(batch, drafts)
+        return Proposed(drafts, [a for _, a in proposals], longest, not worth)
+
+    def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
+        """The row's draft for this step, and whether its drafter was asked. Under a grammar,
+        forced tokens are drafted up to K without asking the drafter (speclm.structured)."""
+        if seq.grammar is not None and seq.policy is not None:
+            limit = min(self.draft_length.draft_max, seq.budget - 1)
+            return guided_draft(seq.grammar, lambda: self._drafter_draft(seq), limit)
+        return self._drafter_draft(seq)
+
+    def _drafter_draft(self, seq: Sequence) -> tuple[Draft, bool]:
+        ctx = self._ask(seq)
+        if ctx is None:
+            return Draft.empty(), False
+        return self._checked(seq, seq.drafter.propose(ctx), ctx.max_tokens), True
+
+    def _proposals(self, batch: list[Sequence]) -> list[tuple[Draft, bool]]:
+        """Each row's draft, and whether its drafter was asked. Rows whose drafters share a
+        ``batch_group`` (a draft model's rows: drafters/draft_rows.py) draft in one call."""
+        shared: dict[int, list[int]] = {}
+        asks: dict[int, DraftContext | None] = {}
+        for b, seq in enumerate(batch):
+            group = getattr(seq.drafter, "batch_group", None)
+            if group is not None and seq.grammar is None:
+                asks[b] = ctx = self._ask(seq)
+                if ctx is not None:
+                    shared.setdefault(id(group), []).append(b)
+        found: dict[int, tuple[Draft, bool]] = {b: (Draft.empty(), False) for b, ctx in asks.items() if ctx is None}
+        for rows in shared.values():
+            group = batch[rows[0]].drafter.batch_group
+            drafts = group.propose_rows([batch[b].drafter for b in rows], [asks[b] for b in rows])
+            for b, draft in zip(rows, drafts):
+                found[b] = self._checked(batch[b], draft, asks[b].max_tokens), True
+        return [found[b] if b in found else self._propose(seq) for b, seq in enumerate(batch)]
+
+    def _ask(self, seq: Sequence) -> DraftContext | None:
+        """What the row's drafter is asked to draft this step (None: a plain step)."""
+        if seq.policy is None:
+            return None
+        cfg = self.draft_length
+        if seq.fixed_draft:
+            k_max = cfg.draft_max  # never from timing: a seed gives the same tokens every time
+        else:
+            k_max = seq.policy.next_k(getattr(seq.drafter, "probing", False))
+        k_max = min(k_max, seq.budget - 1)
+        if k_max <= 0:
+            return None
+        if seq.fixed_draft:  # a seeded request: a tree planned from the cached cost model alone
+            planned = cfg.adaptive and seq.policy.can_plan
+            return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
+                                seq.policy.planned_verify_s if planned else None, planned)
+        timed = cfg.adaptive and seq.policy.knows_cost
+        return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
+                            seq.policy.verify_s if timed else None)
+
+    def _checked(self, seq: Sequence, draft: Draft, k_max: int) -> Draft:
+        if draft.depth > k_max:
+            raise RuntimeError(f"{type(seq.drafter).__name__} proposed a draft of depth "
+                               f"{draft.depth}, more than the {k_max} it was asked for")
+        # Dropping a short draft is only lossless when the draft is a function of the context
+        # (greedy or prompt lookup). A sampled draft's length depends on its own draws, so
+        # dropping it would skew the accepted tokens: verify it anyway.
+        if draft.depth < self.draft_length.draft_min and draft.q_draft is None:
+            return Draft.empty()
+        return draft
+
+    def _worth_asking(self, batch: list[Sequence]) -> bool:
+        """Whether the rows' drafters are asked this step. With several rows the batch policy
+        may find that no draft could pay (speclm.batch.draft_policy); seeded rows and rows
+        under a grammar are always asked (their drafts never depend on timing)."""
+        if len(batch) < 2 or self.batch_policy is None or all(s.policy is None for s in batch):
+            return True  # (no drafters: nothing to skip)
+        if any(s.fixed_draft or s.grammar is not None for s in batch):
+            return True
+        return self.batch_policy.worth_asking(len(batch), _alphas(batch), self.draft_length.draft_max)
+
+    def _cap(self, batch: list[Sequence], drafts: list[Draft]) -> list[Draft]:
+        """With several rows, cap deterministic chains by the batch's measured step cost.
+        Cutting a deterministic chain is lossless; sampled drafts, trees and seeded rows keep
+        theirs whole (their random draws must not depend on the batch)."""
+        fixed = [s.fixed_draft or d.q_draft is not None or d.tree is not None for s, d in zip(batch, drafts)]
+        cap = self.batch_policy.choose([d.depth for d in drafts], _alphas(batch), fixed)
+        return [d if f or d.num_tokens <= cap else Draft(d.tokens[:cap]) for d, f in zip(drafts, fixed)]
+
+
+def _alphas(batch: list[Sequence]) -> list[float]:
+    """Each row's measured acceptance, as the batch policy reads it."""
+    return [s.policy.alpha if s.policy is not None else s.alpha for s in batch]

@@ -1,0 +1,58 @@
+"""Where a batch's rows live in the target's cache slots, and how prompt chunks share forwards.
+
+The engine keeps decoding rows in slots ``0 .. D-1`` (one forward over a contiguous range of
+slots decodes them all) and prefilling rows after them; a prefill step feeds groups of adjacent
+slots, each group one padded forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from .models.rows import TargetRows
+from .sequence import Sequence
+
+
+def arrange(running: list[Sequence], rows: TargetRows) -> list[Sequence]:
+    """Decoding rows in slots 0 .. D-1, then prefilling rows in their order, moving as few
+    rows as possible (a decoding row already below D stays; others fill the holes)."""
+    slots = {s.slot: s for s in running}
+    decoding = [s for s in running if s.decoding]
+    num_dec = len(decoding)
+    staying = {s.slot for s in decoding if s.slot < num_dec}
+    holes = iter(sorted(set(range(num_dec)) - staying))
+    target = {id(s): (s.slot if s.slot in staying else next(holes)) for s in decoding}
+    prefilling = sorted((s for s in running if not s.decoding), key=lambda s: s.slot)
+    target.update({id(s): num_dec + i for i, s in enumerate(prefilling)})
+    order = sorted(running, key=lambda s: target[id(s)])
+    for want, seq in enumerate(order):
+        if seq.slot == want:
+            continue
+        other = slots.get(want)
+        if other is not None and other is not seq:
+            rows.swap(seq.slot, want)
+            other.slot, slots[seq.slot] = seq.slot, other
+        else:
+            rows.move(seq.slot, want)
+            del slots[seq.slot]
+        seq.slot, slots[want] = want, seq
+    return order
+
+
+def prefill_groups(todo: list[tuple[Sequence, int]], waste: float = 0.25, slack: int = 64
+                   ) -> Iterator[list[tuple[Sequence, int]]]:
+    """Split prefill chunks (in slot order) into groups of adjacent slots that share one
+    padded forward: a group grows while its padding stays under ``waste`` of its tokens (or it is at most ``slack``
+    tokens wide), so short prompts batch together and a long one does not pad the rest."""
+    group: list[tuple[Sequence, int]] = []
+    for item in todo:
+        trial = group + [item]
+        real = sum(c for _, c in trial)
+        padded = len(trial) * max(c for _, c in trial)
+        apart = group and item[0].slot != group[-1][0].slot + 1  # a forward takes adjacent slots
+        if apart or (group and padded > slack and padded - real > waste * real):
+            yield group
+            trial = [item]
+        group = trial
+    if group:
+        yield group
