@@ -274,3 +274,31 @@ def test_a_base_model_without_a_chat_template_is_benchmarked_on_plain_text(model
                      SamplingParams(max_tokens=8, ignore_eos=True), progress=False, log=lambda *_: None)
     spec = [r for r in rows if r["method"] == "ngram:k=3"]
     assert len(spec) == 2 and all(r["identical"] for r in spec)
+
+
+def test_a_compile_inside_a_timed_request_is_flagged(model_dirs):
+    """A request during which the fast path compiled a graph carries the count, and the report
+    flags its method and category: its time includes the compile."""
+    from speclm.api import LLM
+    from speclm.bench.report import markdown
+    from speclm.bench.runner import _run_one
+
+    llm = LLM(str(model_dirs["target"]), None, dtype="float64")
+    target = llm.target
+    target.compiled_graphs = 0
+    forward = target.forward
+
+    def compiling(*args, **kwargs):  # the first decode step compiles a graph
+        if target.cache_length > 0 and target.compiled_graphs == 0:
+            target.compiled_graphs = 1
+        return forward(*args, **kwargs)
+
+    target.forward = compiling
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    first = _run_one(llm, False, [{"role": "user", "content": "hi"}], params)
+    again = _run_one(llm, False, [{"role": "user", "content": "hi"}], params)
+    assert first["compiled"] == 1 and "compiled" not in again
+    fig = dict(requests=2, errors=0, tok_s=10.0, identical=2, checked=2, speedup=1.0)
+    table = markdown({"plain": {"qa": dict(fig, compiled=1), "code": dict(fig, compiled=0)}}, "header")
+    assert "| COMPILED 1 |" in table and "COMPILED WHILE TIMED: plain on qa: 1 request(s)" in table
+    assert "plain on code" not in table

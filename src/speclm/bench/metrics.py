@@ -49,6 +49,7 @@ def summarize(rows: list[dict], plain_step_s: float | None, plain_rows: list[dic
     if not ok:
         return out
     tokens = sum(r["tokens"] for r in ok)
+    out["compiled"] = sum(1 for r in ok if r.get("compiled"))  # requests whose time has a compile
     out.update(
         tokens=tokens,
         time_s=sum(r["time_s"] for r in ok),

@@ -110,7 +110,8 @@ LEGEND = (
     "plain's time per step; v = target time per speculative forward ÷ plain's time per step; "
     "bound = (1 − a^(K+1)) / ((1 − a)(cK + 1)) (Leviathan et al.) with a = alpha/token and the "
     "configured K; bound (v) = the same with cK + v, the verify's measured cost; efficiency = "
-    "decode speedup ÷ bound. guard SLOW: median speedup below 0.95x plain decoding on the same engine.")
+    "decode speedup ÷ bound. guard SLOW: median speedup below 0.95x plain decoding on the same engine; "
+    "COMPILED n: n requests compiled a graph of the fast path while timed (their times include it).")
 
 
 GUARD = 0.95  # a method whose median speedup in a category is below this is flagged
@@ -139,8 +140,11 @@ def markdown(summary: dict, header: str, specs: list[MethodSpec] | None = None,
         for cat, f in by_cat.items():
             ident = f"{f['identical']}/{f['checked']}" if f.get("checked") else "-"
             slow = "SLOW" if f.get("speedup") is not None and f["speedup"] < GUARD else ""
+            slow = " ".join(filter(None, [slow, f"COMPILED {f['compiled']}" if f.get("compiled") else ""]))
             lines.append(f"| {label} | {cat} | {_cells(f, _COLUMNS)} | {ident} | {f['errors']} | {slow} |")
-    guard = slower_than_plain(summary)
+    guard = slower_than_plain(summary) + [
+        f"COMPILED WHILE TIMED: {label} on {cat}: {f['compiled']} request(s) include a compile"
+        for label, by_cat in summary.items() for cat, f in by_cat.items() if f.get("compiled") and cat != "all"]
     lines += ["", *guard] if guard else []
     lines += ["", "Acceptance by draft position (all categories):", "",
               "| method | " + " | ".join(str(i) for i in range(1, 11)) + " |",

@@ -162,6 +162,7 @@ def _run_one(llm: LLM, setup, messages: list[dict], params: SamplingParams) -> d
         text = llm.tokenizer.decode(ids, skip_special_tokens=True)
         return dict(token_ids=ids, text=text, tokens=len(ids), prompt_tokens=len(prompt_ids),
                     time_s=elapsed, tok_s=len(ids) / elapsed if elapsed > 0 else 0.0, **(counts or [{}])[0])
+    graphs = getattr(llm.target, "compiled_graphs", 0)  # the fast path: none may compile in here
     if isinstance(prompt, str):
         out = llm.generate(prompt, params, speculative=setup)[0]
     else:
@@ -170,6 +171,8 @@ def _run_one(llm: LLM, setup, messages: list[dict], params: SamplingParams) -> d
     row = dict(token_ids=out.token_ids, text=out.text, tokens=s.generated_tokens,
                prompt_tokens=s.prompt_tokens, time_s=s.total_time_s, tok_s=s.tokens_per_s,
                prefill_s=s.prefill_time_s)
+    if getattr(llm.target, "compiled_graphs", 0) > graphs:  # its time includes a compile
+        row["compiled"] = getattr(llm.target, "compiled_graphs", 0) - graphs
     if s.drafter_report is not None:
         row["drafter_report"] = s.drafter_report
     if setup is not False:

@@ -277,6 +277,12 @@ class CompiledCausalLM:
         seen = list(self._step.seen) + [key for key, _ in self._step.seen_hidden]
         return tuple(sorted({key[-1] for key in seen}))
 
+    @property
+    def compiled_graphs(self) -> int:
+        """Graphs of the step compiled so far (this model's forks share them): a benchmark
+        checks that none was compiled inside a timed request."""
+        return len(self._step.seen) + len(self._step.seen_hidden)
+
     def bucket(self, num_tokens: int) -> int | None:
         """The padded token count a forward of ``num_tokens`` runs at (None: eager)."""
         for b in self.buckets:
