@@ -5,9 +5,9 @@ one (:func:`generate_tokens`), ``speclm serve`` a continuous batch that requests
 between steps. Invariant per row: the target's cache slot holds every committed token but the
 last (the *pending* token). One :meth:`Engine.step`:
 
-1. retire rows that ended; admit waiting requests into free slots (speclm.slots); feed prompts to the target
-   a chunk at a time under a per-step token budget (chunked prefill), so that a long prompt
-   never holds running rows up for more than about one chunk's forward;
+1. retire rows that ended; admit waiting requests into free slots (speclm.slots); feed prompts
+   to the target a chunk at a time under a per-step token budget (chunked prefill), so that a
+   long prompt never holds running rows up for more than about one chunk's forward;
 2. draft (speclm.proposals): each decoding row's drafter proposes up to the row's K (its own
    measured acceptance and the target's cost: :class:`~speclm.draft_length.DraftLengthPolicy`),
    a chain or a token tree; with several rows the batch policy may cap deterministic chains
@@ -183,8 +183,8 @@ class Engine:
     def step(self) -> tuple[list[SeqOutput], StepReport]:
         report = StepReport()
         self._retire()
-        if self._admit() | self._prefill(report):
-            self.running = arrange(self.running, self.rows)  # rows that joined, or finished their prefill
+        if self._admit() | self._prefill(report):  # rows joined, or finished their prefill
+            self.running = arrange(self.running, self.rows)
         decoding = sum(1 for s in self.running if s.decoding)
         outputs = self._decode(self.running[:decoding], report) if decoding else []
         self._retire()

@@ -41,9 +41,10 @@ def arrange(running: list[Sequence], rows: TargetRows) -> list[Sequence]:
 
 def prefill_groups(todo: list[tuple[Sequence, int]], waste: float = 0.25, slack: int = 64
                    ) -> Iterator[list[tuple[Sequence, int]]]:
-    """Split prefill chunks (in slot order) into groups of adjacent slots that share one
-    padded forward: a group grows while its padding stays under ``waste`` of its tokens (or it is at most ``slack``
-    tokens wide), so short prompts batch together and a long one does not pad the rest."""
+    """Split prefill chunks (in slot order) into groups of adjacent slots that share one padded
+    forward: a group grows while its padding stays under ``waste`` of its tokens (or it is at
+    most ``slack`` tokens wide), so short prompts batch together and a long one does not pad the
+    rest."""
     group: list[tuple[Sequence, int]] = []
     for item in todo:
         trial = group + [item]
