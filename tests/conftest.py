@@ -8,6 +8,7 @@ single-token and multi-token forwards numerically equal, so greedy identity is e
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import pytest
@@ -118,8 +119,9 @@ def model_dirs(tmp_path_factory, tiny_tokenizer) -> dict[str, Path]:
 @pytest.fixture(autouse=True)
 def _one_thread_for_tiny_models(request):
     """Tiny models gain nothing from intra-op threads, and on a shared machine the spinning of
-    idle threads makes them many times slower; real-model tests keep torch's default."""
-    if request.node.get_closest_marker("real_model"):
+    idle threads makes them many times slower; real-model tests keep torch's default, except
+    under pytest-xdist, where the workers already share the cores."""
+    if request.node.get_closest_marker("real_model") and "PYTEST_XDIST_WORKER" not in os.environ:
         yield
         return
     threads = torch.get_num_threads()

@@ -154,9 +154,10 @@ class LLM:
     def warmup(self, speculation: Speculation | int | None = None, longest: int = 0,
                layers: Sequence[int] = ()) -> None:
         """Compile the fast path's steps for ``speculation``'s widest verify (its draft cap or
-        its drafter's tree budget, whichever is larger; or a bare draft cap K) now, rather than in the middle of a request, for requests of up to ``longest``
-        positions (prompt plus new tokens; 0: the smallest cache size); for a drafter that
-        reads the target's features (or ``layers`` with a bare K), the steps that return them.
+        its drafter's tree budget, whichever is larger; or a bare draft cap K) now, rather than
+        in the middle of a request, for requests of up to ``longest`` positions (prompt plus new
+        tokens; 0: the smallest cache size); for a drafter that reads the target's features (or
+        ``layers`` with a bare K), the steps that return them.
         A no-op for the eager and llama.cpp backends."""
         warm = getattr(self.target, "warmup", None)
         if not callable(warm):

@@ -171,8 +171,9 @@ def _run_one(llm: LLM, setup, messages: list[dict], params: SamplingParams) -> d
     row = dict(token_ids=out.token_ids, text=out.text, tokens=s.generated_tokens,
                prompt_tokens=s.prompt_tokens, time_s=s.total_time_s, tok_s=s.tokens_per_s,
                prefill_s=s.prefill_time_s)
-    if getattr(llm.target, "compiled_graphs", 0) > graphs:  # its time includes a compile
-        row["compiled"] = getattr(llm.target, "compiled_graphs", 0) - graphs
+    compiled = getattr(llm.target, "compiled_graphs", 0) - graphs
+    if compiled > 0:  # its time includes a compile
+        row["compiled"] = compiled
     if s.drafter_report is not None:
         row["drafter_report"] = s.drafter_report
     if setup is not False:
