@@ -320,6 +320,16 @@ def test_bfloat16_cast_keeps_rotary_frequencies_float32(target32):
     assert next(fast.model.parameters()).dtype == torch.bfloat16
 
 
+def test_warmup_shows_its_progress_graph_by_graph(target64, capsys):
+    """Compiling is minutes of silence on a slow CPU: the warm-up counts its graphs on stderr, and
+    a second warm-up for the same shapes compiles and prints nothing."""
+    fast = make_compiled(target64, EOS, buckets=(1, 2, 4), capacities=(32, 64), compile_backend="aot_eager")
+    fast.warmup(capacities=(32, 64))
+    err = capsys.readouterr().err
+    assert "3 token counts x 2 cache sizes" in err and "6/6" in err
+    assert fast.warmup(capacities=(32, 64)) == 0.0 and capsys.readouterr().err == ""
+
+
 def test_warmup_compiles_up_to_a_trees_node_budget(target64):
     """A token tree verifies up to its node budget, more than the draft cap K: warming up for
     an EAGLE tree compiles the feature steps up to 1 + budget tokens, so that no graph is

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ..errors import SpeclmError
 from ..tree import TreeMeta
@@ -375,17 +376,18 @@ class CompiledCausalLM:
         if all((((b, c), sel) in self._step.seen_hidden) if sel else ((b, c) in self._step.seen)
                for b in todo for c in caps):
             return 0.0
-        estimate = (3 + self.num_layers) * len(todo) * len(caps)  # ~30 s a graph for 30 layers, 2 cores
-        print(f"speclm: compiling the decode and verify steps (one time, ~{estimate} s; "
-              f"{len(todo)} token counts x {len(caps)} cache sizes)...", file=sys.stderr)
+        # one time, and minutes on a slow CPU (~30 s a graph for 30 layers on 2 AVX-512 cores, ~70 s
+        # on 2 AVX2 cores): a bar whose estimate comes from the graphs already compiled
+        graphs = tqdm([(c, b) for c in caps for b in todo], file=sys.stderr, unit="graph",
+                      desc=f"speclm: compiling steps, one time ({len(todo)} token counts x "
+                           f"{len(caps)} cache sizes)")
         t0 = time.perf_counter()
         self._step.warming = True
         try:
-            for cap in caps:
-                for b in todo:
-                    self.reset()
-                    self._cache.reserve(cap)
-                    self.forward(torch.zeros(b, dtype=torch.long), 0, num_logits=1, return_hidden=list(sel))
+            for cap, b in graphs:
+                self.reset()
+                self._cache.reserve(cap)
+                self.forward(torch.zeros(b, dtype=torch.long), 0, num_logits=1, return_hidden=list(sel))
         finally:
             self._step.warming = False
             self.reset()
