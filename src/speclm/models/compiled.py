@@ -42,7 +42,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..errors import SpeclmError
 from ..tree import TreeMeta
@@ -59,6 +58,7 @@ from .static_cache import (
     static_allowed,
     static_positions,
 )
+from .warmup import compile_bar
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32)
 PREFILL_CHUNK = 512  # eager prefill runs in chunks of this many tokens (bounds the mask's size)
@@ -376,11 +376,8 @@ class CompiledCausalLM:
         if all((((b, c), sel) in self._step.seen_hidden) if sel else ((b, c) in self._step.seen)
                for b in todo for c in caps):
             return 0.0
-        # one time, and minutes on a slow CPU (~30 s a graph for 30 layers on 2 AVX-512 cores, ~70 s
-        # on 2 AVX2 cores): a bar whose estimate comes from the graphs already compiled
-        graphs = tqdm([(c, b) for c in caps for b in todo], file=sys.stderr, unit="graph",
-                      desc=f"speclm: compiling steps, one time ({len(todo)} token counts x "
-                           f"{len(caps)} cache sizes)")
+        graphs = compile_bar([(c, b) for c in caps for b in todo],
+                             f"steps, one time ({len(todo)} token counts x {len(caps)} cache sizes)")
         t0 = time.perf_counter()
         self._step.warming = True
         try:

@@ -22,7 +22,6 @@ hidden states) run the same model eagerly on the same cache.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -35,6 +34,7 @@ from .base import spread_hidden
 from .hf_kwargs import cache_kwarg
 from .rows import RowsOutput, TargetView, _select_layers, describe_target
 from .static_cache import StaticRowsCache, static_allowed, static_positions
+from .warmup import compile_bar
 
 if TYPE_CHECKING:
     from .compiled import CompiledCausalLM
@@ -202,13 +202,12 @@ class CompiledRows:
                 if ((key, sel) not in self._step.seen_hidden if sel else key not in self._step.seen)]
         if not todo:
             return 0.0
-        print(f"speclm: compiling the batched decode and verify steps (one time, {len(todo)} graphs: "
-              f"{len(self.row_buckets)} row counts x {len(tokens)} token counts x {len(caps)} cache sizes)...",
-              file=sys.stderr)
+        graphs = compile_bar(todo, f"batched steps, one time ({len(self.row_buckets)} row counts x "
+                                   f"{len(tokens)} token counts x {len(caps)} cache sizes)")
         t0 = time.perf_counter()
         self._step.warming = True
         try:
-            for r, t, c in todo:
+            for r, t, c in graphs:
                 self.cache.reset()
                 self.cache.reserve(c)
                 self.forward(range(r), torch.zeros(r, t, dtype=torch.long), [t] * r, return_hidden=list(sel))
