@@ -17,9 +17,9 @@ where it applies), medians of 15 after 3 warm-up runs, and prints the cost per M
 ``kernel`` calls that kernel at every M (where its row limit should sit). On the same shapes as
 GGUF Q4_1 blocks (random codes, 57 MB): ``q4-float`` (``speclm::small_m_blocks``, float
 activations), ``q4-q8`` (registered ``BlockLinear`` layers as a model runs them: 8-bit
-activations and integer dot products, llama.cpp's arithmetic, on the tile layout where the CPU
-has AVX-512 VNNI, at every M there; on an AVX2 CPU up to ``BLOCK_MAX_ROWS`` rows, then the BLAS)
-and ``q4-blas`` (the blocks decoded for the call, then ATen: what a long prefill runs on AVX2). ``--hot`` runs the q4 modes on one pair of layers 30 times instead of
+activations and integer dot products, llama.cpp's arithmetic, on the tile layout at every M)
+and ``q4-blas`` (the blocks decoded for the call, then ATen: what a float-activation prefill
+runs). ``--hot`` runs the q4 modes on one pair of layers 30 times instead of
 30 pairs (1.3 MB: the weights stay in the caches): a mode as fast hot as cold is bound by its
 instructions, not by memory bandwidth.
 """
@@ -62,7 +62,7 @@ class BlockProjections(nn.Module):
             return codes, scale, -7.5 * scale  # weights centred on zero, as a trained layer's are
 
         distinct = [(blocks(inner, hidden), blocks(hidden, inner)) for _ in range(1 if hot else layers)]
-        if mode == "q4-q8":  # registered layers, as a model runs them (repacked for AVX-512 VNNI / AMX)
+        if mode == "q4-q8":  # registered layers, as a model runs them (on the tile layout)
             from speclm.models.small_m import BlockLinear
 
             distinct = [tuple(BlockLinear(*blocks_, 4, None, "q8") for blocks_ in pair) for pair in distinct]

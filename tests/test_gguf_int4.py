@@ -88,8 +88,8 @@ def test_layer_computes_the_files_weights_exactly(type_name):
 def test_the_cpu_kernel_runs_the_files_blocks_exactly(cpu_kernel, type_name, activations, monkeypatch):
     """float32 on an AVX2 CPU: few-row products run speclm's kernel on the file's own blocks.
     Read back with one-hot rows its weights are gguf-py's values bit for bit; a row's output is
-    the same alone or among others, at any number of rows on the tile layout (AVX-512 VNNI,
-    AMX); elsewhere long inputs run the BLAS on the decoded blocks."""
+    the same alone or among others, at any number of rows on the tile layout (8-bit
+    activations); with float activations long inputs run the BLAS on the decoded blocks."""
     raw, dequantized = _blocks(type_name, seed=4)
     order = np.random.default_rng(5).permutation(48)
     weight = torch.from_numpy(dequantized[order].copy())

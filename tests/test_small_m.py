@@ -407,3 +407,45 @@ def test_an_unknown_isa_request_is_named_and_ignored(monkeypatch, caplog):
     with caplog.at_level("WARNING", logger=small_m.__name__):
         assert small_m.isa() == "avx2"
     assert caplog.text == ""
+
+
+_REGISTERED_PRODUCTS = """
+import sys, torch
+from speclm.models import small_m
+assert small_m.kernel_available() and small_m.isa() == sys.argv[2], small_m.isa()
+gen = torch.Generator().manual_seed(11)
+out = {}
+for bits, with_minimum in ((4, False), (4, True), (8, False)):
+    n, k = 37, 128  # 37 weight rows: a last group of 5 (one half-empty 8-lane half on AVX2)
+    codes = torch.randint(0, 256, (n, k // 32 * (16 if bits == 4 else 32)), generator=gen, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.02
+    minimum = -torch.rand(n, k // 32, generator=gen) * 0.1 if with_minimum else None
+    x = torch.randn(21, k, generator=gen)
+    handle = torch.ops.speclm.register_blocks(codes, scale, minimum, bits)
+    out[f"{bits}-{with_minimum}"] = torch.ops.speclm.registered_blocks(x, handle, True)
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_every_build_s_tile_products_have_the_same_bits(cpu_kernel, tmp_path):
+    """The AVX2 build's products on the tile layout (small_m_tiles_avx2.cpp) and the AVX-512
+    VNNI / AMX ones compute the same exact integer dots and then the same float operations, so
+    a registered layer's output is the same bits on either build. Runs where the CPU has more
+    than AVX2 (the AVX2 build in a child process, SPECLM_CPU_ISA=avx2, about a minute to build
+    once); on an AVX2-only CPU the products are checked against the exact reference above."""
+    import os
+    import subprocess
+    import sys
+
+    if small_m.isa() == "avx2":
+        pytest.skip("an AVX2-only CPU: no second build to compare with")
+    outputs = {}
+    for isa in ("avx2", small_m.isa()):
+        env = {**os.environ, small_m.ISA_ENV: isa, "OMP_NUM_THREADS": "1"}
+        path = tmp_path / f"{isa}.pt"
+        subprocess.run([sys.executable, "-c", _REGISTERED_PRODUCTS, str(path), isa], env=env, check=True, timeout=600)
+        outputs[isa] = torch.load(path)
+    avx2, other = outputs["avx2"], outputs[small_m.isa()]
+    assert avx2.keys() == other.keys()
+    for key in avx2:
+        assert torch.equal(avx2[key], other[key]), key

@@ -65,23 +65,28 @@ at::Tensor small_m_blocks_q8(const at::Tensor& x, const at::Tensor& codes, const
                              const c10::optional<at::Tensor>& minimum, int64_t bits);
 
 // A layer's blocks repacked in AMX's tile layout (small_m_tiles.cpp): codes [groups, blocks, 256 or 512
-// bytes], scale and minimum [groups, blocks, 16], for 16 weight rows per group.
+// bytes], scale and minimum [groups, blocks, 16], for kTileCols = 16 weight rows per group.
+constexpr int64_t kTileCols = 16;
 struct TileLayer {
   at::Tensor codes, scale;
   c10::optional<at::Tensor> minimum;
   int64_t bits, N, groups;
 };
 // Whether the block layers registered from now on are repacked for tile_product. enable_tiles()
-// turns that on (AVX-512 VNNI builds) and, with use_amx, asks the OS for AMX's tile state: returns
-// whether products of several rows run on AMX tiles (else on AVX-512 VNNI, with the same bits).
+// turns that on (every build) and, with use_amx on an AMX build, asks the OS for AMX's tile state:
+// returns whether products of several rows run on AMX tiles (else on AVX-512 VNNI or AVX2, with
+// the same bits).
 std::atomic<bool>& tiles_on();
 bool enable_tiles(bool use_amx);
 TileLayer tile_layer(const at::Tensor& codes, const at::Tensor& scale, const c10::optional<at::Tensor>& minimum,
                      int64_t bits);
 // y [M, N] (rows ldy floats apart) weight-row groups g0 .. g1 - 1 (columns 16 g0 .. 16 g1 - 1) =
 // 8-bit activations (codes qx [M, K], scales dx, scaled sums sx [M, K / 32], as small_m_q8.cpp
-// quantizes them) times the layer.
+// quantizes them) times the layer: on AMX or AVX-512 VNNI (small_m_tiles.cpp), or on AVX2
+// (avx2_tile_product, small_m_tiles_avx2.cpp) where the build has no AVX-512.
 void tile_product(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K, const TileLayer& w,
                   int64_t g0, int64_t g1, float* y, int64_t ldy);
+void avx2_tile_product(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K,
+                       const TileLayer& w, int64_t g0, int64_t g1, float* y, int64_t ldy);
 
 }  // namespace speclm

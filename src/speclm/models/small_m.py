@@ -43,10 +43,10 @@ log = logging.getLogger(__name__)
 
 # rows up to which the kernels beat the BLAS (benchmarks/small_m_gemm.py --modes aten,kernel,q4-q8,q4-blas):
 MAX_ROWS = 16  # float weights: MKL's product is as fast at 16 rows and faster beyond
-BLOCK_MAX_ROWS = 32  # a GGUF's blocks on the AVX2 build (and float activations): beyond, the BLAS is cheaper
+BLOCK_MAX_ROWS = 32  # a GGUF's blocks with float activations (small_m_blocks): beyond, the BLAS is cheaper
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("small_m.cpp", "small_m_attention.cpp", "small_m_q8.cpp", "small_m_tiles.cpp",
-                          "small_m_shims.cpp"))
+                          "small_m_tiles_avx2.cpp", "small_m_shims.cpp"))
 HEADER = Path(__file__).with_name("small_m.h")
 ENV = "SPECLM_CPU_KERNEL"  # "0" turns the kernel off
 ISA_ENV = "SPECLM_CPU_ISA"  # "avx2" or "avx512-vnni": those kernels even where the CPU has more
@@ -54,7 +54,7 @@ ACTIVATIONS = ("q8", "float")  # how BlockLinear multiplies: 8-bit activations (
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
-_tiled = False  # the loaded build repacks block layers for AVX-512 VNNI / AMX (small_m_tiles.cpp)
+_tiled = False  # the loaded build repacks block layers into the tile layout (small_m_tiles.cpp; every build)
 _enabled = True
 _shims = False  # the loaded build's C entry points are visible to a compiled step's C++ wrapper
 
@@ -138,10 +138,10 @@ def _load() -> bool:
                         tried[tried.index(level) + 1])
             continue
         _register_fake()
-        if level != "avx2" and not torch.ops.speclm.enable_tiles(level == "amx") and level == "amx":
+        if not torch.ops.speclm.enable_tiles(level == "amx") and level == "amx":
             log.warning("speclm: the OS refused this process AMX's tile state; the block kernels run on AVX-512")
         global _tiled
-        _tiled = level != "avx2"
+        _tiled = True
         return True
     return False
 
@@ -217,12 +217,12 @@ def set_kernel_enabled(enabled: bool) -> None:
 def block_max_rows() -> int | None:
     """Rows up to which a :class:`BlockLinear` with 8-bit activations runs the kernel (None: any).
 
-    On the tile layout (AVX-512 VNNI, AMX) the integer products beat decoding the blocks for
-    the BLAS at every row count measured (1.6-4x from 16 to 512 rows on a 2-core Sapphire
-    Rapids: docs/benchmarks.md, "Block kernels at every row count"), so every forward runs
-    them, prefill chunks and wide verifies included, and a row's result has the same bits
-    whatever else shares its forward. The AVX2 build's loop loses to the BLAS past
-    :data:`BLOCK_MAX_ROWS` rows."""
+    On the tile layout the integer products beat decoding the blocks for the BLAS at every row
+    count measured (AVX-512 VNNI / AMX: 1.6-4x from 16 to 512 rows on a 2-core Sapphire Rapids;
+    AVX2: docs/benchmarks.md, "AVX2 products on the tile layout"), so every forward runs them,
+    prefill chunks and wide verifies included, and a row's result has the same bits whatever
+    else shares its forward. Without the kernel (or before it loads) the limit is
+    :data:`BLOCK_MAX_ROWS`, where the GGUF-layout loop lost to the BLAS."""
     return None if kernel_available() and _tiled else BLOCK_MAX_ROWS
 
 
@@ -253,9 +253,9 @@ class SmallMLinear(nn.Linear):
 
 class BlockLinear(nn.Module):
     """A GGUF layer on its own Q4_0/Q4_1/Q8_0 blocks, for float32 on an AVX2 CPU: inputs of at
-    most :func:`block_max_rows` rows (any number on AVX-512 VNNI / AMX builds with 8-bit
-    activations, :data:`BLOCK_MAX_ROWS` otherwise) run the kernel on the file's codes, scales and
-    minimums; longer ones (a prefill on an AVX2 CPU) multiply the blocks' float32 weights, decoded
+    most :func:`block_max_rows` rows (any number with 8-bit activations on the tile layout,
+    :data:`BLOCK_MAX_ROWS` with float activations) run the kernel on the file's codes, scales and
+    minimums; longer ones (a float-activation prefill) multiply the blocks' float32 weights, decoded
     for the call (``speclm::dequantize_blocks``, gguf-py's values exactly), with the BLAS.
 
     ``codes``: uint8 [N, K/32 * 16] (4-bit, the file's nibble order) or [N, K] (8-bit, int8

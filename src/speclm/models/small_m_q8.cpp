@@ -1,6 +1,7 @@
 // speclm: a GGUF file's Q4_0/Q4_1/Q8_0 blocks times activations quantized to 8 bits, with the
-// integer dot products llama.cpp's CPU kernels use, for CPUs with AVX2. Where the CPU has AVX-512
-// VNNI, registered layers are repacked once and run on small_m_tiles.cpp's products instead.
+// integer dot products llama.cpp's CPU kernels use, for CPUs with AVX2: the loop of unregistered
+// calls (small_m_blocks_q8). Registered layers are repacked once into the tile layout and run on
+// small_m_tiles.cpp's products (AVX-512 VNNI, AMX) or small_m_tiles_avx2.cpp's (AVX2) instead.
 //
 // small_m.cpp's small_m_blocks decodes each block's codes to floats and multiplies float
 // activations: about 14 instructions per 32 weights and row. Here each activation row is first
@@ -198,7 +199,8 @@ struct BlockLayer {
   at::Tensor codes, scale;
   c10::optional<at::Tensor> minimum;
   int64_t bits;
-  c10::optional<speclm::TileLayer> tiles;  // repacked where tiles were on at registration: every 8-bit call uses them
+  c10::optional<speclm::TileLayer> tiles;  // repacked where tiles were on at registration (every build once
+                                           // the kernels are loaded): every 8-bit call uses them
 };
 
 std::mutex registry_mutex;

@@ -32,7 +32,7 @@
 
 namespace {
 
-constexpr int64_t kCols = 16;  // weight rows per tile (its columns)
+constexpr int64_t kCols = speclm::kTileCols;  // weight rows per tile (its columns)
 constexpr int64_t kTileRows = 16;  // activation rows per tile
 std::atomic<bool> amx{false};  // granted: products of kAmxMinRows rows and more run on the tiles
 constexpr int64_t kAmxMinRows = 16;  // below, vnni_groups is faster (benchmarks/small_m_gemm.py)
@@ -256,23 +256,53 @@ bool speclm::enable_tiles(bool use_amx) {
   return amx.load();
 }
 
+void speclm::tile_product(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K,
+                          const TileLayer& w, int64_t g0, int64_t g1, float* y, int64_t ldy) {
+#if defined(__AMX_INT8__)
+  if (amx.load() && M >= kAmxMinRows) {
+    if (w.bits == 8) tile_groups<8, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+    else if (!w.minimum.has_value()) tile_groups<4, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+    else tile_groups<4, false>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+    return;
+  }
+#endif
+  if (w.bits == 8) vnni_groups<8, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+  else if (!w.minimum.has_value()) vnni_groups<4, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+  else vnni_groups<4, false>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+}
+
+#else  // built for AVX2 only: the same layout, its products in small_m_tiles_avx2.cpp
+
+bool speclm::enable_tiles(bool) {
+  tiles_on().store(true);
+  return false;
+}
+
+void speclm::tile_product(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K,
+                          const TileLayer& w, int64_t g0, int64_t g1, float* y, int64_t ldy) {
+  avx2_tile_product(qx, dx, sx, M, K, w, g0, g1, y, ldy);
+}
+
+#endif
+
+// The layout every build repacks registered layers into (portable C++).
 speclm::TileLayer speclm::tile_layer(const at::Tensor& codes, const at::Tensor& scale,
                                      const c10::optional<at::Tensor>& minimum, int64_t bits) {
-  const int64_t N = scale.size(0), nb = scale.size(1), groups = (N + kCols - 1) / kCols;
+  const int64_t N = scale.size(0), nb = scale.size(1), groups = (N + kTileCols - 1) / kTileCols;
   const int64_t bytes = bits == 4 ? 256 : 512, row_bytes = codes.size(1);
   const bool q4_0 = bits == 4 && !minimum.has_value();
   at::Tensor tiles = at::zeros({groups, nb, bytes}, codes.options());
-  at::Tensor tile_scale = at::zeros({groups, nb, kCols}, scale.options());
+  at::Tensor tile_scale = at::zeros({groups, nb, kTileCols}, scale.options());
   c10::optional<at::Tensor> tile_min;
-  if (minimum.has_value()) tile_min = at::zeros({groups, nb, kCols}, scale.options());
+  if (minimum.has_value()) tile_min = at::zeros({groups, nb, kTileCols}, scale.options());
   const uint8_t* src = codes.data_ptr<uint8_t>();
   uint8_t* dst = tiles.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g)
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* t = dst + (g * nb + b) * bytes;
-        for (int64_t c = 0; c < kCols; ++c) {
-          const int64_t n = g * kCols + c;
+        for (int64_t c = 0; c < kTileCols; ++c) {
+          const int64_t n = g * kTileCols + c;
           for (int64_t k = 0; k < 32; ++k) {  // input k of the block: tile row k / 4, byte 4c + k % 4
             const int64_t row = k / 4, j = 4 * c + k % 4;
             if (bits == 8) {
@@ -292,43 +322,12 @@ speclm::TileLayer speclm::tile_layer(const at::Tensor& codes, const at::Tensor& 
   float* tm = tile_min.has_value() ? tile_min->data_ptr<float>() : nullptr;
   for (int64_t n = 0; n < N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t at = ((n / kCols) * nb + b) * kCols + n % kCols;
+      const int64_t at = ((n / kTileCols) * nb + b) * kTileCols + n % kTileCols;
       ts[at] = s[n * nb + b];
       if (tm != nullptr) tm[at] = mn[n * nb + b];
     }
   return {tiles, tile_scale, tile_min, bits, N, groups};
 }
-
-void speclm::tile_product(const int8_t* qx, const float* dx, const float* sx, int64_t M, int64_t K,
-                          const TileLayer& w, int64_t g0, int64_t g1, float* y, int64_t ldy) {
-#if defined(__AMX_INT8__)
-  if (amx.load() && M >= kAmxMinRows) {
-    if (w.bits == 8) tile_groups<8, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
-    else if (!w.minimum.has_value()) tile_groups<4, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
-    else tile_groups<4, false>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
-    return;
-  }
-#endif
-  if (w.bits == 8) vnni_groups<8, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
-  else if (!w.minimum.has_value()) vnni_groups<4, true>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
-  else vnni_groups<4, false>(qx, dx, sx, M, K, w, g0, g1, y, ldy);
-}
-
-#else  // built without AVX-512 VNNI: the tile layout is never used
-
-bool speclm::enable_tiles(bool) { return false; }
-
-speclm::TileLayer speclm::tile_layer(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&,
-                                     int64_t) {
-  TORCH_CHECK(false, "speclm: the CPU kernels were built without AVX-512 VNNI: no tile layout");
-}
-
-void speclm::tile_product(const int8_t*, const float*, const float*, int64_t, int64_t, const TileLayer&, int64_t,
-                          int64_t, float*, int64_t) {
-  TORCH_CHECK(false, "speclm: the CPU kernels were built without AVX-512 VNNI: no tile layout");
-}
-
-#endif
 
 std::atomic<bool>& speclm::tiles_on() {
   static std::atomic<bool> on{false};
