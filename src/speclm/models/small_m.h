@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <type_traits>
+#include <vector>
 
 namespace speclm {
 
@@ -33,6 +34,18 @@ inline void row_groups(int64_t M, int64_t n0, int64_t n1, const Rows& rows) {
       }
     }
   }
+}
+
+// factor x the sum of each block of 32 8-bit activation codes (qx [blocks, 32]): what a tile product
+// that feeds signed weights in shifted up by `factor` (as unsigned bytes) takes back, exactly.
+inline std::vector<int32_t> shifted_block_sums(const int8_t* qx, int64_t blocks, int32_t factor) {
+  std::vector<int32_t> sums(blocks);
+  for (int64_t i = 0; i < blocks; ++i) {
+    int32_t total = 0;
+    for (int j = 0; j < 32; ++j) total += qx[i * 32 + j];
+    sums[i] = factor * total;
+  }
+  return sums;
 }
 
 // row_groups over all N weight rows, split between at::parallel_for's threads.

@@ -67,12 +67,7 @@ void vnni_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, 
                  const speclm::TileLayer& w, int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = K / 32, bytes = Bits == 4 ? 256 : 512;
   const int32_t shift = Bits == 4 ? 8 : 128;
-  std::vector<int32_t> xsum(Signed ? M * nb : 0);  // each row's block sums of its codes
-  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
-    int32_t total = 0;
-    for (int j = 0; j < 32; ++j) total += qx[i * 32 + j];
-    xsum[i] = total;
-  }
+  const std::vector<int32_t> taken = speclm::shifted_block_sums(qx, Signed ? M * nb : 0, shift);  // shift x block sums
   const uint8_t* codes = w.codes.data_ptr<uint8_t>();
   const float* scale = w.scale.data_ptr<float>();
   const float* minimum = w.minimum.has_value() ? w.minimum->data_ptr<float>() : nullptr;
@@ -95,7 +90,7 @@ void vnni_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, 
       const float* wm = minimum != nullptr ? minimum + (g * nb + b) * kCols : nullptr;
       for (int64_t r = 0; r < M; ++r) {
         const int8_t* xr = qx + r * K + b * 32;
-        __m512i dots = Signed ? _mm512_set1_epi32(-shift * xsum[r * nb + b]) : _mm512_setzero_si512();
+        __m512i dots = Signed ? _mm512_set1_epi32(-taken[r * nb + b]) : _mm512_setzero_si512();
         for (int i = 0; i < 8; ++i) {
           int32_t four;  // inputs 4i .. 4i + 3, broadcast to the 16 weight rows
           std::memcpy(&four, xr + 4 * i, 4);

@@ -62,12 +62,7 @@ void avx2_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, 
                  const speclm::TileLayer& w, int64_t g0, int64_t g1, float* y, int64_t ldy) {
   const int64_t nb = K / 32, bytes = Bits == 4 ? 256 : 512;
   const bool shifted = Bits == 4 && Signed;  // Q4_0: codes q stored, weights q - 8
-  std::vector<int32_t> shift(shifted ? M * nb : 0);  // 8 x each row's block sums of its codes
-  for (int64_t i = 0; i < static_cast<int64_t>(shift.size()); ++i) {
-    int32_t total = 0;
-    for (int j = 0; j < 32; ++j) total += qx[i * 32 + j];
-    shift[i] = 8 * total;
-  }
+  const std::vector<int32_t> shift = speclm::shifted_block_sums(qx, shifted ? M * nb : 0, 8);
   const uint8_t* codes = w.codes.data_ptr<uint8_t>();
   const float* scale = w.scale.data_ptr<float>();
   const float* minimum = w.minimum.has_value() ? w.minimum->data_ptr<float>() : nullptr;
