@@ -54,7 +54,6 @@ ACTIVATIONS = ("q8", "float")  # how BlockLinear multiplies: 8-bit activations (
 
 _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
-_tiled = False  # the loaded build repacks block layers into the tile layout (small_m_tiles.cpp; every build)
 _enabled = True
 _shims = False  # the loaded build's C entry points are visible to a compiled step's C++ wrapper
 
@@ -140,8 +139,6 @@ def _load() -> bool:
         _register_fake()
         if not torch.ops.speclm.enable_tiles(level == "amx") and level == "amx":
             log.warning("speclm: the OS refused this process AMX's tile state; the block kernels run on AVX-512")
-        global _tiled
-        _tiled = True
         return True
     return False
 
@@ -221,9 +218,9 @@ def block_max_rows() -> int | None:
     count measured (AVX-512 VNNI / AMX: 1.6-4x from 16 to 512 rows on a 2-core Sapphire Rapids;
     AVX2: docs/benchmarks.md, "AVX2 products on the tile layout"), so every forward runs them,
     prefill chunks and wide verifies included, and a row's result has the same bits whatever
-    else shares its forward. Without the kernel (or before it loads) the limit is
-    :data:`BLOCK_MAX_ROWS`, where the GGUF-layout loop lost to the BLAS."""
-    return None if kernel_available() and _tiled else BLOCK_MAX_ROWS
+    else shares its forward. Every build repacks registered layers into that layout; without the
+    kernel the limit is :data:`BLOCK_MAX_ROWS`."""
+    return None if kernel_available() else BLOCK_MAX_ROWS
 
 
 def _kernel_rows(x: torch.Tensor, limit: int | None) -> int:

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 
 def compile_bar(graphs: list, what: str) -> tqdm:
-    """A progress bar on stderr over the graphs a warm-up compiles: one time, but minutes on a
-    slow CPU (~30 s a graph of 30 layers on 2 AVX-512 cores, ~70 s on 2 AVX2 cores), so its
-    remaining time comes from the graphs already compiled rather than from a fixed guess."""
+    """A progress bar on stderr over the graphs a warm-up compiles: a graph's compile time
+    varies several-fold between CPUs and cache states, so the remaining time comes from the
+    graphs already compiled rather than from a fixed guess."""
     return tqdm(graphs, file=sys.stderr, unit="graph", desc=f"speclm: compiling {what}")
