@@ -209,3 +209,28 @@ def test_top_k_feedback_only_while_a_learner_may_draft(clock):
     fakes["recycle"] = Fake(clock, 5.0, 0)  # what play() reads for recycle's rounds
     play(auto, fakes, 4)
     assert auto.choice == "good" and auto.wants_target_topk == 0
+
+
+def test_a_seeded_request_drafts_with_the_first_drafting_candidate_whatever_was_measured():
+    """A seeded sampling request's tokens follow from its seed alone: whatever auto measured or
+    remembered (fresh and probing, or settled on plain decoding), its rounds go to the first
+    drafting candidate and leave the rates and the choice as they were."""
+    lm = backend(tiny_model(48, seed=8))
+    params = SamplingParams(temperature=0.8, seed=4, max_tokens=40, ignore_eos=True)
+    prompt = torch.tensor([3, 4, 5, 3, 4, 5, 3, 4])
+    outputs = []
+    for settled in (False, True):
+        auto = AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 2), 4),
+                            "recycle": (RecycleDrafter(48, 4), 4)}, probe_rounds=2)
+        if settled:
+            auto.choice, auto._queue = "none", []
+        before = {n: r.seconds for n, r in auto.rates.items()}
+        stats = RequestStats()
+        outputs.append([t for s in generate_tokens(lm, prompt, params, drafter=auto, stats=stats,
+                                                   draft_length=DraftLengthConfig(4, adaptive=True))
+                        for t in s.tokens])
+        rounds = stats.drafter_report["rounds"]
+        assert auto.seeded_choice == "ngram" and set(rounds) == {"ngram"} and rounds["ngram"] > 0
+        assert {n: r.seconds for n, r in auto.rates.items()} == before
+        assert auto.choice == ("none" if settled else None)
+    assert outputs[0] == outputs[1]

@@ -16,6 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from speclm.cost_model import CostModel
 from speclm.draft_length import DraftLengthConfig
 from speclm.drafters import DraftModelDrafter, NgramDrafter
 from speclm.drafters.recycle import RecycleDrafter
@@ -125,11 +126,15 @@ def test_every_drafter_in_a_batch_equals_solo_greedy(target, workload, kind, nam
     assert not engine.running
 
 
+@pytest.mark.parametrize("planned", [False, True])
 @pytest.mark.parametrize("drafts", ["per-row", "batched"])
 @pytest.mark.parametrize("kind", ["ragged", "slots"])
-def test_seeded_sampled_rows_next_to_greedy_rows_equal_solo(target, kind, drafts):
+def test_seeded_sampled_rows_next_to_greedy_rows_equal_solo(target, kind, drafts, planned):
     """A draft model's sampled drafts, drafted row by row or in one batched draft forward per
-    depth: a seeded row's tokens do not depend on its neighbours."""
+    depth: a seeded row's tokens do not depend on its neighbours, with the draft cap or with
+    draft lengths planned from a cost model (speclm.draft_length: K from the row's own
+    acceptance, 0 where a verify cannot pay)."""
+    prior = CostModel([1, 2, 4], [1.0, 1.4, 2.2]) if planned else None
     lm = backend(target)
     draft_lm = backend(noisy_copy(target, 0.08, seed=3))
     group = DraftRows(draft_lm.fork(), VOCAB, 6)
@@ -138,10 +143,10 @@ def test_seeded_sampled_rows_next_to_greedy_rows_equal_solo(target, kind, drafts
               if i % 2 else SamplingParams(max_tokens=24, ignore_eos=True) for i in range(len(reqs))]
     config = DraftLengthConfig(3, 0, adaptive=True)
     solo = [run(lm, p, sp, DraftModelDrafter(draft_lm.fork(), VOCAB), config,
-                sp.make_generator())[0] for p, sp in zip(reqs, params)]
+                sp.make_generator(), prior)[0] for p, sp in zip(reqs, params)]
     rows = rows_for(lm, kind, 6)
     factory = (lambda h: group.member()) if drafts == "batched" else (lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB))
-    engine = Engine(rows, drafter_factory=factory, draft_length=config)
+    engine = Engine(rows, drafter_factory=factory, draft_length=config, cost_prior=prior)
     out = drive(engine, {0: [(str(i), p, sp) for i, (p, sp) in enumerate(zip(reqs, params))]})
     assert [out[str(i)][0] for i in range(len(reqs))] == solo
 

@@ -38,11 +38,11 @@ def target():
     return tiny_model(VOCAB, seed=10, seed_layers=4)
 
 
-def run(lm, prompt, params, drafter=None, config=None, gen=None):
+def run(lm, prompt, params, drafter=None, config=None, gen=None, cost_model=None):
     stats = RequestStats()
     tokens = []
     for step in generate_tokens(lm, prompt, params, drafter=drafter, draft_length=config,
-                                stats=stats, generator=gen):
+                                stats=stats, generator=gen, cost_model=cost_model):
         tokens += step.tokens
     return tokens, stats
 

@@ -1,8 +1,8 @@
 """Step 2 of the engine loop: what each decoding row's drafter proposes this step.
 
 Each row's K comes from its own :class:`~speclm.draft_length.DraftLengthPolicy` (measured
-acceptance and the target's cost) or, for a seeded sampling request, from the configuration
-alone (its random draws must not depend on timing). Rows whose drafters share a ``batch_group``
+acceptance and the target's cost) or, for a seeded sampling request, planned from its own
+acceptance and the cached cost model alone (its random draws must not depend on timing). Rows whose drafters share a ``batch_group``
 (a draft model's rows: drafters/draft_rows.py) draft in one call; a row under a grammar gets its
 forced tokens without asking its drafter (speclm.structured). With several rows the batch policy
 (speclm.batch.draft_policy) may find that no draft could pay, or cap deterministic chains by the
@@ -90,7 +90,7 @@ class Proposals:
             return None
         cfg = self.draft_length
         if seq.fixed_draft:
-            k_max = cfg.draft_max  # never from timing: a seed gives the same tokens every time
+            k_max = seq.policy.planned_k()  # never from timing: a seed gives the same tokens every time
         else:
             k_max = seq.policy.next_k(getattr(seq.drafter, "probing", False))
         k_max = min(k_max, seq.budget - 1)
@@ -99,7 +99,7 @@ class Proposals:
         if seq.fixed_draft:  # a seeded request: a tree planned from the cached cost model alone
             planned = cfg.adaptive and seq.policy.can_plan
             return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
-                                seq.policy.planned_verify_s if planned else None, planned)
+                                seq.policy.planned_verify_s if planned else None, planned, seeded=True)
         timed = cfg.adaptive and seq.policy.knows_cost
         return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
                             seq.policy.verify_s if timed else None)

@@ -70,6 +70,8 @@ class DraftContext:
     planned: bool = False  # seeded sampling: the draft's shape must not depend on timing or on
     #               earlier rounds, so ``verify_s`` is the cached cost model's plan alone and a
     #               tree is sized from it without measured draft times or calibration
+    seeded: bool = False  # seeded sampling: the draft must follow from the context and the seed
+    #               alone (never from timing), with or without a cost model to plan from
 
 
 @dataclass
