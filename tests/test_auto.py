@@ -231,6 +231,7 @@ def test_a_seeded_request_drafts_with_the_first_drafting_candidate_whatever_was_
                         for t in s.tokens])
         rounds = stats.drafter_report["rounds"]
         assert auto.seeded_choice == "ngram" and set(rounds) == {"ngram"} and rounds["ngram"] > 0
+        assert "this seeded request drafted with ngram" in stats.drafter_report["summary"]
         assert {n: r.seconds for n, r in auto.rates.items()} == before
         assert auto.choice == ("none" if settled else None)
     assert outputs[0] == outputs[1]

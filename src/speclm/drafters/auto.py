@@ -316,6 +316,8 @@ class AutoDrafter:
         inner = drafter_report(self.candidates[active][0]) if active else None
         remembered = (" (remembered for this model)" if self.remembered is not None
                       and self.remembered == self.choice and not self._request.get("decisions") else "")
+        if self._seeded:  # the request's rounds were the seeded choice's, whatever auto measured
+            remembered += f"; this seeded request drafted with {self.seeded_choice} (timing-free)"
         summary = (f"auto: {'probing' if self.choice is None else 'chose ' + self.choice}{remembered}; "
                    f"tok/s {figures or 'not measured yet'}; rounds {used}; "
                    f"{len(self._request.get('decisions', []))} decision(s) this request")
