@@ -127,8 +127,8 @@ class DraftLengthPolicy:
             self._plain_streak += 1
             if self._plain_streak >= cfg.probe_every:
                 self._plain_streak = 0
-                return max(cfg.draft_min, 1, self._best_k(max(self.alpha, PROBE_ALPHA), self.planned_verify_s,
-                                                          planned=True))
+                probe = self._best_k(max(self.alpha, PROBE_ALPHA), self.planned_verify_s, planned=True)
+                return max(cfg.draft_min, 1, probe)
         return best_k
 
     def next_k(self, exploring: bool = False) -> int:
@@ -154,7 +154,8 @@ class DraftLengthPolicy:
         """The longest draft worth asking for: a parallel drafter proposes at most its width."""
         return min(self.config.draft_max, self.parallel) if self.parallel else self.config.draft_max
 
-    def _best_k(self, alpha: float, verify_s: Callable[[int], float] | None = None, planned: bool = False) -> int:
+    def _best_k(self, alpha: float, verify_s: Callable[[int], float] | None = None,
+                planned: bool = False) -> int:
         """The K in {0, draft_min..draft_max} with the most expected tokens per second, by
         ``verify_s`` (default: the live :meth:`verify_s`); ``planned``: no draft time."""
         cfg = self.config

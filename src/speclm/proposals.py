@@ -2,8 +2,9 @@
 
 Each row's K comes from its own :class:`~speclm.draft_length.DraftLengthPolicy` (measured
 acceptance and the target's cost) or, for a seeded sampling request, planned from its own
-acceptance and the cached cost model alone (its random draws must not depend on timing). Rows whose drafters share a ``batch_group``
-(a draft model's rows: drafters/draft_rows.py) draft in one call; a row under a grammar gets its
+acceptance and the cached cost model alone (its random draws must not depend on timing). Rows
+whose drafters share a ``batch_group`` (a draft model's rows: drafters/draft_rows.py) draft in
+one call; a row under a grammar gets its
 forced tokens without asking its drafter (speclm.structured). With several rows the batch policy
 (speclm.batch.draft_policy) may find that no draft could pay, or cap deterministic chains by the
 measured cost of the step's (rows x tokens).
