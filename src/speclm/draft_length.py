@@ -29,7 +29,9 @@ alone. It is chosen by the same rule from the row's own acceptance (a function o
 the cached cost model's verify times, unscaled, with no draft time (as its trees are planned:
 speclm.drafters.tree_search), and the probes count rounds, never seconds. So a seeded request
 whose drafts cannot pay for their verify turns speculation off too, and gets the same tokens
-whatever else runs beside it. Without a quiet cost model to plan from, it drafts ``draft_max``.
+whatever else runs beside it (on one machine, while the cost model stays cached: a re-measured
+curve may plan other Ks, hence other draws). Without a quiet cost model to plan from, it drafts
+``draft_max``; fixed mode always does.
 
 ``draft_min`` follows llama.cpp: a draft shorter than it is not worth a verify and is dropped,
 but only when the draft is a function of the context (greedy drafting, prompt lookup). A sampled
