@@ -100,7 +100,7 @@ class Proposals:
         if seq.fixed_draft:  # a seeded request: a tree planned from the cached cost model alone
             planned = cfg.adaptive and seq.policy.can_plan
             return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
-                                seq.policy.planned_verify_s if planned else None, planned, seeded=True)
+                                seq.policy.planned_verify_s if planned else None, seeded=True)
         timed = cfg.adaptive and seq.policy.knows_cost
         return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
                             seq.policy.verify_s if timed else None)

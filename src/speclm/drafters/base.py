@@ -67,11 +67,14 @@ class DraftContext:
     #               take verifying n drafted tokens of this row (measured); a tree drafter keeps
     #               the nodes that pay for it. None: keep the configured size (fixed drafts, or
     #               no cost known yet)
-    planned: bool = False  # seeded sampling: the draft's shape must not depend on timing or on
-    #               earlier rounds, so ``verify_s`` is the cached cost model's plan alone and a
-    #               tree is sized from it without measured draft times or calibration
     seeded: bool = False  # seeded sampling: the draft must follow from the context and the seed
     #               alone (never from timing), with or without a cost model to plan from
+
+    @property
+    def planned(self) -> bool:
+        """A seeded round with a cost model to plan from: ``verify_s`` is the cached cost model's
+        plan alone, and a tree is sized from it without measured draft times or calibration."""
+        return self.seeded and self.verify_s is not None
 
 
 @dataclass
