@@ -211,27 +211,23 @@ def test_top_k_feedback_only_while_a_learner_may_draft(clock):
     assert auto.choice == "good" and auto.wants_target_topk == 0
 
 
-def test_a_seeded_request_drafts_with_the_first_drafting_candidate_whatever_was_measured():
-    """A seeded sampling request's tokens follow from its seed alone: whatever auto measured or
-    remembered (fresh and probing, or settled on plain decoding), its rounds go to the first
-    drafting candidate and leave the rates and the choice as they were."""
+def test_a_seeded_request_gets_plain_decodings_tokens_whatever_auto_chose():
+    """A seeded sampling request's tokens follow from its seed alone: fresh and probing, or
+    settled on plain decoding, auto times and chooses as for any request, and the tokens are
+    plain seeded decoding's."""
     lm = backend(tiny_model(48, seed=8))
     params = SamplingParams(temperature=0.8, seed=4, max_tokens=40, ignore_eos=True)
     prompt = torch.tensor([3, 4, 5, 3, 4, 5, 3, 4])
-    outputs = []
+    plain = [t for s in generate_tokens(lm, prompt, params) for t in s.tokens]
     for settled in (False, True):
         auto = AutoDrafter({"none": (NoDrafter(), 1), "ngram": (NgramDrafter(1, 2), 4),
                             "recycle": (RecycleDrafter(48, 4), 4)}, probe_rounds=2)
         if settled:
             auto.choice, auto._queue = "none", []
-        before = {n: r.seconds for n, r in auto.rates.items()}
         stats = RequestStats()
-        outputs.append([t for s in generate_tokens(lm, prompt, params, drafter=auto, stats=stats,
-                                                   draft_length=DraftLengthConfig(4, adaptive=True))
-                        for t in s.tokens])
-        rounds = stats.drafter_report["rounds"]
-        assert auto.seeded_choice == "ngram" and set(rounds) == {"ngram"} and rounds["ngram"] > 0
-        assert "this seeded request drafted with ngram" in stats.drafter_report["summary"]
-        assert {n: r.seconds for n, r in auto.rates.items()} == before
-        assert auto.choice == ("none" if settled else None)
-    assert outputs[0] == outputs[1]
+        tokens = [t for s in generate_tokens(lm, prompt, params, drafter=auto, stats=stats,
+                                             draft_length=DraftLengthConfig(4, adaptive=True))
+                  for t in s.tokens]
+        assert tokens == plain
+        if not settled:  # probing measured the candidates on this request's rounds
+            assert stats.drafted_tokens > 0 and any(r.seconds > 0 for r in auto.rates.values())

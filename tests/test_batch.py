@@ -5,7 +5,8 @@
   oracle drafter with exact mixed acceptance), requests joining mid-way and leaving early;
 - the ragged cache: batched logits after random per-row rollbacks == recomputation from scratch;
 - sampling: a seeded plain request in a batch draws exactly its solo tokens, and speculative
-  sampling in a batch matches the target's exact sequence distribution (chi-square);
+  sampling in a batch matches the target's exact sequence distribution (chi-square), seeded rows
+  (keyed draws) and unseeded ones (rejection sampling) alike;
 - the draft-length policy shrinks K to 0 when verification cost grows with the batch.
 """
 
@@ -44,12 +45,12 @@ def batch_engine(lm, max_batch, factory=None, draft_max=10, adaptive=True):
 
 
 def drive(engine, arrivals, aborts=None):
-    """Run the engine; ``arrivals`` maps step -> [(id, prompt, params)], ``aborts`` step -> [id].
-    Returns id -> (tokens, finish_reason, stats)."""
+    """Run the engine; ``arrivals`` maps step -> [(id, prompt, params[, generator])], ``aborts``
+    step -> [id]. Returns id -> (tokens, finish_reason, stats)."""
     out, step, aborts = {}, 0, aborts or {}
     while engine.has_work or any(s >= step for s in arrivals):
-        for rid, prompt, params in arrivals.get(step, []):
-            engine.add(rid, prompt, params)
+        for rid, prompt, params, *generator in arrivals.get(step, []):
+            engine.add(rid, prompt, params, generator=generator[0] if generator else None)
             out[rid] = [[], None, None]
         for rid in aborts.get(step, []):
             engine.abort(rid)
@@ -60,6 +61,34 @@ def drive(engine, arrivals, aborts=None):
         step += 1
         assert step < 10_000
     return out
+
+
+def seeded_or_not(params: SamplingParams, i: int) -> tuple:
+    """Request i's params and generator: odd i seeded (keyed draws), even i unseeded with a
+    generator of its own (rejection sampling), both reproducible."""
+    if i % 2:
+        return replace(params, seed=i), None
+    return params, torch.Generator().manual_seed(10_000 + i)
+
+
+def assert_ragged_rows_match(engine, params: SamplingParams, prompt: torch.Tensor, n: int, vocab: int,
+                             expected: torch.Tensor) -> None:
+    """Run 4n/3 three-token requests through ``engine``: every fourth on a longer prompt (so rows
+    are ragged), odd ones seeded (keyed draws), even ones unseeded (rejection sampling, their own
+    generators). The sequences of each kind on ``prompt`` match ``expected`` by chi-square."""
+    other = torch.cat([prompt, prompt])
+    out = drive(engine, {0: [(f"r{i}", prompt if i % 4 else other, *seeded_or_not(params, i))
+                             for i in range(n * 4 // 3)]})
+    for seeded in (0, 1):
+        counts = torch.zeros(vocab**3, dtype=torch.float64)
+        accepted = 0
+        for i in range(seeded, n * 4 // 3, 2):
+            tokens, _, stats = out[f"r{i}"]
+            if i % 4:
+                counts[(torch.tensor(tokens) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
+                accepted += stats.accepted_tokens
+        assert accepted > counts.sum() // 10
+        assert_matches_distribution(counts, expected)
 
 
 def oracle_factory(accept_rate, continuations):
@@ -213,42 +242,32 @@ def test_seeded_plain_sampling_in_a_batch_equals_solo(target):
 
 
 def test_seeded_speculative_sampling_is_independent_of_the_batch(target):
-    """Seeded rows keep their whole draft whatever the adaptive cap: their tokens are the solo
-    engine's (same drafter, fixed K, same seed), next to greedy rows the cap does shrink."""
+    """The batch's adaptive cap cuts seeded rows' drafts as it cuts greedy rows' (to nothing
+    here), and their tokens stay the solo engine's with every draft verified (same seed): the
+    keyed draws do not depend on what was drafted."""
     lm = backend(target)
     reqs = prompts(6, seed=12)
     sampled = [SamplingParams(temperature=0.8, max_tokens=30, seed=7 + i, ignore_eos=True)
                for i in range(3)]
-    solo = [run(lm, p, sp, NgramDrafter(1, 3), DraftLengthConfig(draft_max=5), sp.make_generator())[0]
-            for p, sp in zip(reqs, sampled)]
+    solos = [run(lm, p, sp, NgramDrafter(1, 3), DraftLengthConfig(draft_max=5), sp.make_generator())
+             for p, sp in zip(reqs, sampled)]
+    solo = [tokens for tokens, _ in solos]
+    assert sum(stats.drafted_tokens for _, stats in solos) > 0
     engine = batch_engine(backend(target), 6, lambda: NgramDrafter(1, 3), draft_max=5, adaptive=True)
     engine.batch_policy.cost.observe(6, 1e-3)  # make drafting look expensive: the cap goes to 0
     engine.batch_policy.cost.observe(36, 1.0)
     greedy = SamplingParams(max_tokens=30, ignore_eos=True)
     out = drive(engine, {0: [(str(i), p, sampled[i] if i < 3 else greedy) for i, p in enumerate(reqs)]})
     assert [out[str(i)][0] for i in range(3)] == solo
-    assert sum(out[str(i)][2].drafted_tokens for i in range(3)) > 0
+    assert sum(out[str(i)][2].drafted_tokens for i in range(3)) == 0
 
 
 def test_batched_speculative_sampling_matches_target_distribution():
-    """Three tokens per request, K = 2, prompt lookup; 32 rows per batch with different seeds."""
-    vocab, length, n = 5, 3, 1500
+    """Three tokens per request, K = 2, prompt lookup; 32 rows per batch, seeded and unseeded."""
+    vocab, length, n = 5, 3, 2400
     _, lm, params, prompt, expected = sampling_setup(vocab, length)
     engine = batch_engine(lm, 32, lambda: NgramDrafter(1, 2), draft_max=2, adaptive=False)
-    # a second, longer prompt shares the batch so that rows are ragged
-    other = torch.cat([prompt, prompt])
-    arrivals = {0: [(f"r{i}", prompt if i % 4 else other, replace(params, seed=i))
-                    for i in range(n * 4 // 3)]}
-    out = drive(engine, arrivals)
-    counts = torch.zeros(vocab**length, dtype=torch.float64)
-    accepted = 0
-    for i in range(n * 4 // 3):
-        tokens, _, stats = out[f"r{i}"]
-        if i % 4:
-            counts[(torch.tensor(tokens) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
-            accepted += stats.accepted_tokens
-    assert accepted > counts.sum() // 10
-    assert_matches_distribution(counts, expected)
+    assert_ragged_rows_match(engine, params, prompt, n, vocab, expected)
 
 
 def test_step_cost_model_interpolates_and_extrapolates():

@@ -171,6 +171,34 @@ def test_mismatch_diagnosis_tells_a_bug_from_a_tie(model_dirs):
     assert diagnose_mismatch(llm, messages, plain, wrong[:5], memo) is first
 
 
+def test_seeded_sampled_methods_are_checked_against_plain_and_a_mismatch_is_diagnosed(capsys, model_dirs, tmp_path):
+    """At a temperature the bench's seed keys every method's draws: speculative outputs are
+    checked token by token against plain sampling (peers are not); a differing draw is a bug
+    unless some way of computing its position moves the uniform out of plain's token's interval."""
+    from speclm import LLM
+    from speclm.bench.runner import diagnose_mismatch
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"category": "echo", "turns": ["the quick brown fox"]}\n')
+    target = str(model_dirs["target"])
+    code = main(["bench", "--model", target, "--dtype", "float64", "--prompts", str(prompts), "--no-warmup",
+                 "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3", "--method", "ngram:k=4",
+                 "--method", f"draft:path={target},k=3", "--method", "hf", "--out", str(tmp_path / "out")])
+    assert code == 0 and "MISMATCH" not in capsys.readouterr().out
+    rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["rows"]}
+    assert rows["ngram:k=4"]["identical"] and rows["draft:path=target,k=3"]["identical"]
+    assert rows["hf"]["identical"] is None  # another engine's sampler: not comparable
+    assert rows["draft:path=target,k=3"]["accepted"] == rows["draft:path=target,k=3"]["drafted"] > 0  # q = p: all
+
+    llm = LLM(target, dtype="float64")
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True)
+    plain = llm.chat(messages, params, speculative=False).token_ids
+    wrong = plain[:2] + [(plain[2] + 1) % llm.target.vocab_size] + plain[3:]
+    found = diagnose_mismatch(llm, messages, plain, wrong, params=params)
+    assert found["position"] == 2 and found["margin"] > 0 and found["verdict"].startswith("BUG")
+
+
 def test_near_ties_are_measured_where_kernels_round_rows_differently(model_dirs):
     """llama.cpp rounds one row and several rows differently: a mismatch is a near-tie when the
     several-row computation of the position prefers the other token, or the gap is within how

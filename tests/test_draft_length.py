@@ -112,42 +112,10 @@ def test_the_engine_gives_the_policy_the_drafters_width(tiny_tokenizer):
         assert max(drafter.asked) == most
 
 
-def _planned(alpha: float, seconds: list[float], rounds: int = 200, noisy: bool = False) -> list[int]:
-    """A seeded request's K per round (planned_k) under i.i.d. acceptance ``alpha``, while its
-    live timings (scale, draft time) are as wild as a busy machine makes them."""
-    from speclm.cost_model import CostModel
-
-    prior = CostModel([1, 2, 4, 8], seconds, noisy=noisy)
-    policy = DraftLengthPolicy(DraftLengthConfig(draft_max=6, adaptive=True, probe_every=8), prior)
-    rng, chosen = random.Random(1), []
-    for _ in range(rounds):
-        k = policy.planned_k()
-        accepted = 0
-        while accepted < k and rng.random() < alpha:
-            accepted += 1
-        policy.update(k, accepted, rng.uniform(0.0, 5.0), rng.uniform(0.1, 50.0))
-        chosen.append(k)
-    return chosen
-
-
-def test_a_seeded_request_plans_k_from_its_acceptance_and_the_cost_model_alone():
-    """Weak acceptance where a verify costs ~0.3 plain steps a token: plain rounds with a probe
-    every 8; strong acceptance where verifies are free: the whole draft; the same Ks whatever
-    the live timings (they are random here); no quiet cost model: draft_max every round."""
-    costly = _planned(0.2, [1.0, 1.3, 1.9, 3.1])
-    assert costly[0] > 0 and sum(k > 0 for k in costly[40:]) <= 160 / 8 + 1
-    plain_runs = "".join("x" if k else "." for k in costly[40:]).split("x")
-    assert max(len(run) for run in plain_runs) == 7  # a probe in every 8 rounds
-    assert set(_planned(0.9, [1.0, 1.0, 1.0, 1.0])) == {6}
-    assert set(_planned(0.2, [1.0, 1.3, 1.9, 3.1], noisy=True)) == {6}
-    again = DraftLengthPolicy(DraftLengthConfig(draft_max=6, adaptive=True), None)
-    assert again.planned_k() == 6  # nothing to plan from
-
-
 def test_a_seeded_request_stops_drafting_where_it_cannot_pay_and_keeps_its_tokens(tiny_tokenizer):
     """Through the engine: a seeded sampled request whose drafts are always rejected, over a cost
-    model where a verify costs, runs mostly plain rounds (it drafted every round before), and
-    returns the same tokens when run again."""
+    model where a verify costs, runs mostly plain rounds, as an unseeded one does, and returns
+    plain seeded decoding's tokens, run after run."""
     import torch
 
     from speclm.cost_model import CostModel
@@ -176,12 +144,10 @@ def test_a_seeded_request_stops_drafting_where_it_cannot_pay_and_keeps_its_token
     params = SamplingParams(temperature=0.8, top_k=5, seed=11, max_tokens=60, ignore_eos=True)
     config = DraftLengthConfig(draft_max=4, adaptive=True)
     prior = CostModel([1, 2, 4, 8], [1.0, 1.3, 1.9, 3.1])
-    runs = []
+    plain = [t for out in generate_tokens(lm, torch.tensor([5, 6, 7]), params) for t in out.tokens]
     for _ in range(2):
         drafter = Wrong()
         tokens = [t for out in generate_tokens(lm, torch.tensor([5, 6, 7]), params, drafter=drafter,
                                               draft_length=config, cost_model=prior) for t in out.tokens]
-        runs.append((tokens, drafter.asked))
-    (first, asked), (again, asked_again) = runs
-    assert first == again and asked == asked_again and len(first) == 60
-    assert len(asked) < 15  # the first rounds draft, then a probe every 8 plain rounds
+        assert tokens == plain and len(tokens) == 60
+        assert 0 < len(drafter.asked) < 15  # the first rounds draft, then a probe every 8 plain rounds

@@ -80,6 +80,23 @@ def test_greedy_identity(target, name, k):
     assert accepted > 0
 
 
+@pytest.mark.parametrize("name", ["medusa", "eagle-chain", "eagle-tree", "eagle-parallel"])
+def test_seeded_sampling_identity(target, name):
+    """A seeded sampled request: the learned drafters' chains and trees give plain seeded
+    decoding's tokens (the verifier's keyed draws)."""
+    lm = backend(target)
+    make = drafters(target)[name]
+    accepted = 0
+    for i in range(6):
+        params = SamplingParams(temperature=0.5, top_k=(0, 8)[i % 2], seed=40 + i, max_tokens=30, ignore_eos=True)
+        prompt = torch.randint(1, V, (3 + i,), generator=torch.Generator().manual_seed(i))
+        plain, _ = run(lm, prompt, params)
+        spec, stats = run(lm, prompt, params, make(), 1 + i % 4)
+        assert spec == plain, f"prompt {i} diverged"
+        accepted += stats.accepted_tokens
+    assert accepted > 0
+
+
 @pytest.mark.compiled
 @pytest.mark.parametrize("name", ["medusa", "eagle-tree"])  # layer -1; two middle layers
 def test_learned_drafters_read_features_from_the_compiled_step(target, name):

@@ -3,6 +3,8 @@
 - greedy: speculative output == plain greedy output, token for token, over many prompts and K,
   for every drafter (prompt lookup, draft models, layer skipping, early exit, token recycling,
   suffix matching, automatic choice);
+- seeded sampling: speculative output == plain seeded output, token for token, for every
+  drafter, K and draft-length mode (the verifier's keyed draws);
 - a draft model equal to the target accepts every token (tau == K + 1);
 - sampling: the distribution of short generated sequences matches the target's exact one
   (chi-square against the enumerated distribution), for drafters that produce q (draft models,
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -109,6 +112,26 @@ def test_greedy_identity(target, name, k):
         assert total_accepted > 0  # the comparison exercised accept paths, not only rejections
 
 
+@pytest.mark.parametrize("name", DRAFTERS)
+def test_seeded_sampling_identity(target, name):
+    """A seed gives the same tokens with any drafter, any K, fixed or adaptive, as plain seeded
+    decoding: the target's keyed draw at each position decides it, a draft only how many
+    positions one forward settles."""
+    lm = backend(target)
+    make = drafters(target, lm)[name]
+    total_accepted = 0
+    for i, prompt in enumerate(prompts(8, seed=21)):
+        params = SamplingParams(temperature=(0.3, 0.6)[i % 2], top_p=(1.0, 0.9)[i % 2 if i % 4 else 0],
+                                top_k=(0, 20)[i % 3 == 1], seed=300 + i, max_tokens=32, ignore_eos=True)
+        plain, _ = run(lm, prompt, params)
+        config = DraftLengthConfig(draft_max=1 + i % 6, adaptive=i % 3 == 0)
+        spec, stats = run(lm, prompt, params, make(), config)
+        assert spec == plain, f"prompt {i}: seeded speculative output diverged from plain seeded decoding"
+        total_accepted += stats.accepted_tokens
+    if name not in ("unrelated-draft", "unrelated-tree", "skip-first-layer"):
+        assert total_accepted > 0  # the comparison exercised accept paths, not only rejections
+
+
 # top_k=1: a one-branch tree, which still runs the tree mask, verifier and compaction paths
 @pytest.mark.parametrize("tree", [None, TreeShape(top_k=1, budget=64)], ids=["chain", "tree"])
 @pytest.mark.parametrize("k", [1, 4, 7])
@@ -167,9 +190,11 @@ def assert_matches_distribution(counts: torch.Tensor, expected: torch.Tensor) ->
 @pytest.mark.parametrize("kind", ["draft-model", "draft-model-p_min", "ngram", "layerskip",
                                   "recycle", "suffix", "auto", "draft-model-tree"])
 def test_sampling_matches_target_distribution(kind):
-    """Three tokens per request with K = 2, so one round can accept both drafts plus a bonus.
-    Learners (recycling, suffix, auto) keep their state from request to request: each draft is
-    a function of what came before, which is all losslessness asks."""
+    """Three tokens per request with K = 2, so one round can accept both drafts plus a bonus,
+    unseeded requests (rejection sampling) and, for the first 1,500, seeded ones too (keyed
+    draws: request i has seed i). Learners (recycling, suffix, auto) keep their state from
+    request to request: each draft is a function of what came before, which is all
+    losslessness asks."""
     vocab, length, n = 5, 3, 1500
     target_model, lm, params, prompt, expected = sampling_setup(vocab, length)
     config = DraftLengthConfig(draft_max=2)
@@ -197,14 +222,16 @@ def test_sampling_matches_target_distribution(kind):
     else:
         drafter = NgramDrafter(1, 2)
     gen = torch.Generator().manual_seed(1234)
-    counts = torch.zeros(vocab**length, dtype=torch.float64)
-    accepted = 0
-    for _ in range(n):
-        seq, stats = run(lm, prompt, params, drafter, config, gen)
-        counts[(torch.tensor(seq) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
-        accepted += stats.accepted_tokens
-    assert accepted > n // 10  # speculation really happened
-    assert_matches_distribution(counts, expected)
+    for seeded in (False, True):
+        counts = torch.zeros(vocab**length, dtype=torch.float64)
+        accepted = 0
+        for i in range(n):
+            request = replace(params, seed=i) if seeded else params
+            seq, stats = run(lm, prompt, request, drafter, config, None if seeded else gen)
+            counts[(torch.tensor(seq) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
+            accepted += stats.accepted_tokens
+        assert accepted > n // 10  # speculation really happened
+        assert_matches_distribution(counts, expected)
 
 
 def test_sliding_window_model_rolls_back_past_the_window():

@@ -35,10 +35,11 @@ def test_default_model_loads_with_chat_template(llm):
     assert llm.model_path.joinpath("model.safetensors").is_file()  # the dequantized cache
 
 
-def assert_identical_to_plain(llm, prompts, spec, max_tokens: int) -> list:
+def assert_identical_to_plain(llm, prompts, spec, max_tokens: int, params: SamplingParams | None = None) -> list:
     """Chat each prompt's first turn plainly and with ``spec`` (None: the LLM's default
-    speculation); the greedy outputs must match token for token. Returns the speculative outputs."""
-    params = SamplingParams(max_tokens=max_tokens)
+    speculation); the greedy (or seeded: ``params``) outputs must match token for token.
+    Returns the speculative outputs."""
+    params = params or SamplingParams(max_tokens=max_tokens)
     outs = []
     for p in prompts:
         messages = [{"role": "user", "content": p["turns"][0]}]
@@ -52,6 +53,15 @@ def assert_identical_to_plain(llm, prompts, spec, max_tokens: int) -> list:
 def test_ngram_greedy_identity(llm, prompts):
     outs = assert_identical_to_plain(llm, prompts, None, 48)
     assert sum(out.stats.accepted_tokens for out in outs) > 0
+
+
+def test_seeded_sampling_identity(llm, prompts):
+    """T = 0.7 with a seed on the real model: prompt lookup and the shipped EAGLE tree give plain
+    seeded decoding's tokens."""
+    params = SamplingParams(temperature=0.7, top_p=0.95, seed=5, max_tokens=40)
+    for spec in (None, llm.make_speculation("eagle", 4)):
+        outs = assert_identical_to_plain(llm, prompts[:3], spec, 40, params)
+        assert sum(out.stats.accepted_tokens for out in outs) > 0
 
 
 def test_self_draft_greedy_identity(llm, prompts):

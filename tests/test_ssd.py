@@ -56,6 +56,24 @@ def test_greedy_identity(target, fanout, k):
     assert hits > 0
 
 
+@pytest.mark.parametrize("fanout", [1, 4])
+def test_seeded_sampling_identity(target, fanout):
+    """Seeded sampling with asynchronous drafting: plain seeded decoding's tokens, whatever the
+    worker guessed about each verdict."""
+    lm = backend(target)
+    drafter = AsyncDraftModelDrafter(backend(noisy_copy(target, 0.05, seed=3)), V, fanout=fanout)
+    accepted = 0
+    for i in range(6):
+        params = SamplingParams(temperature=0.6, seed=70 + i, max_tokens=40, ignore_eos=True)
+        prompt = torch.randint(1, V, (3 + i,), generator=torch.Generator().manual_seed(i))
+        plain, _ = run(lm, prompt, params)
+        spec, stats = run(lm, prompt, params, drafter, DraftLengthConfig(draft_max=3, adaptive=i % 2 == 1))
+        assert spec == plain, f"prompt {i} diverged"
+        accepted += stats.accepted_tokens
+        assert not _workers()
+    assert accepted > 0
+
+
 def test_draft_equal_to_target_accepts_everything_and_predicts_the_bonus(target):
     lm = backend(target)
     drafter = AsyncDraftModelDrafter(lm.fork(), V, fanout=2, alpha_prior=0.99)  # bonus outcomes first

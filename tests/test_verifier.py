@@ -4,6 +4,8 @@
    acceptance and residual functions; it must equal p for adversarial p/q pairs and warps.
 2. Monte Carlo: the real ``verify`` (with its random draws) matches p by a chi-square test, and
    the same test rejects a deliberately biased sampler (so it can fail).
+3. Seeded (keyed) draws: ``keyed_choice`` over a grid of uniforms gives each token exactly its
+   share of p, and a keyed verify emits the target's keyed draws whatever was drafted.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import torch
 from scipy.stats import chisquare
 
 from speclm.drafters.base import Draft
-from speclm.sampling import SamplingParams, sample_token, warp_probs
+from speclm.sampling import SamplingParams, keyed_choice, sample_token, warp_probs
+from speclm.tree import TreeMeta
 from speclm.verifier import acceptance_probs, residual_probs, verify
 
 V = 8
@@ -130,6 +133,67 @@ def test_greedy_verify_rules():
     assert int(v.num_accepted) == 3 and v.tokens.tolist() == [3, 5, 1, 7]  # bonus token
     v = verify(logits[:1], Draft.empty(), greedy, gen)  # plain decoding
     assert int(v.num_accepted) == 0 and v.tokens.tolist() == [3]
+
+
+@pytest.mark.parametrize("name,p_logits,q_logits", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("params", WARPS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_keyed_choice_gives_each_token_its_share_of_p(name, p_logits, q_logits, params):
+    """Over a grid of N uniforms each token is chosen for its share of p up to one grid step
+    (an exact inverse-CDF draw), never where p is 0, and the ends of [0, 1) land on the first
+    and last tokens that have mass."""
+    n = 100_000
+    p = warp_probs(p_logits[None], params)[0]  # [V]
+    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+    chosen = keyed_choice(p.expand(n, V), u)  # [n]
+    share = torch.bincount(chosen, minlength=V).double() / n
+    assert (share[p == 0] == 0).all()
+    torch.testing.assert_close(share, p.double(), atol=1.01 / n, rtol=0)
+    ends = keyed_choice(p.expand(2, V), torch.tensor([0.0, torch.nextafter(torch.tensor(1.0, dtype=torch.float64),
+                                                                           torch.tensor(0.0, dtype=torch.float64))]))
+    support = torch.nonzero(p > 0).flatten()
+    assert ends.tolist() == [int(support[0]), int(support[-1])]
+
+
+def _keyed_draws(logits: torch.Tensor, params, uniforms: torch.Tensor) -> list[int]:
+    return keyed_choice(warp_probs(logits, params), uniforms).tolist()
+
+
+@pytest.mark.parametrize("params", WARPS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
+def test_a_keyed_verify_emits_the_targets_draws_whatever_was_drafted(params):
+    """Chains and trees of random tokens, sampled q or none: the round emits the target's keyed
+    draw at every position it commits (accepted while the draft equals it), so a seeded
+    request's output does not depend on its drafts."""
+    gen = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        k = trial % 5 + 1
+        logits = torch.randn(k + 1, V, generator=gen, dtype=torch.float64) * 2
+        u = torch.rand(k + 1, generator=gen, dtype=torch.float64)
+        draws = _keyed_draws(logits, params, u)
+        lucky = torch.rand(k, generator=gen) < 0.6  # many drafts take the target's draw
+        tokens = torch.where(lucky, torch.tensor(draws[:k]), torch.randint(0, V, (k,), generator=gen))
+        q = warp_probs(torch.randn(k, V, generator=gen, dtype=torch.float64), params) if trial % 2 else None
+        v = verify(logits, Draft(tokens, q), params, gen, uniforms=u)
+        n = int(v.num_accepted)
+        agree = (tokens == torch.tensor(draws[:k])).long().cumprod(0).sum()
+        assert n == int(agree) and v.tokens[: n + 1].tolist() == draws[: n + 1]
+        # a tree: two candidates at depth 1 (nodes 0, 1), one child under each (nodes 2, 3); row 0
+        # (the pending token's) predicts depth 1, row i + 1 (node i's) depth[i] + 1
+        tree = TreeMeta.from_parents(torch.tensor([-1, -1, 0, 1]))
+        rows = torch.randn(5, V, generator=gen, dtype=torch.float64)
+        tree_u = torch.rand(3, generator=gen, dtype=torch.float64)  # the round's positions 0, 1, 2
+        row_draws = _keyed_draws(rows, params, tree_u[torch.tensor([0, 1, 1, 2, 2])])
+        first = trial % 3  # 0: neither candidate is the draw; 1: node 0 is; 2: node 1 is
+        pick = [(row_draws[0] + 1) % V, (row_draws[0] + 2) % V]
+        if first:
+            pick[first - 1] = row_draws[0]
+        under = [row_draws[first] if trial % 2 else (row_draws[first] + 1) % V] * 2  # the child's token
+        v = verify(rows, Draft(torch.tensor(pick + under), None, tree), params, gen, uniforms=tree_u)
+        want = [row_draws[0]]
+        if first:
+            want.append(row_draws[first])  # the accepted node's row draws the next token
+            if trial % 2:
+                want.append(row_draws[first + 2])  # its child was accepted too: the child's row
+        assert v.tokens[: int(v.num_accepted) + 1].tolist() == want
 
 
 def test_warp_filters():

@@ -84,7 +84,9 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="0 = greedy, identical to plain greedy decoding (default: %(default)s)")
     s.add_argument("--top-k", type=_positive(int), default=0, help="0 = off (default)")
     s.add_argument("--top-p", type=_positive(float), default=1.0, help="in (0, 1]; 1 = off (default)")
-    s.add_argument("--seed", type=_positive(int), default=None, help="random seed for sampling")
+    s.add_argument("--seed", type=_positive(int), default=None,
+                   help="random seed for sampling: the same seed gives the same tokens with or without "
+                        "speculation, whatever the drafter")
     s.add_argument("--max-tokens", "-n", type=_positive(int), default=256,
                    help="most tokens to generate (default: %(default)s)")
     s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

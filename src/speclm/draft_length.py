@@ -23,15 +23,9 @@ misses costs about one step, not a K = 10 verify; where a verify is nearly free 
 same K serves ``exploring`` rounds (``auto`` measuring a candidate). Fixed mode
 (``adaptive=False``, ``--no-adaptive``) drafts ``draft_max`` every round.
 
-A seeded sampling request is *planned* (:meth:`DraftLengthPolicy.planned_k`): a round's random
-draws depend on its draft length, so K must be a function of the request's context and seed
-alone. It is chosen by the same rule from the row's own acceptance (a function of its draws) and
-the cached cost model's verify times, unscaled, with no draft time (as its trees are planned:
-speclm.drafters.tree_search), and the probes count rounds, never seconds. So a seeded request
-whose drafts cannot pay for their verify turns speculation off too, and gets the same tokens
-whatever else runs beside it (on one machine, while the cost model stays cached: a re-measured
-curve may plan other Ks, hence other draws). Without a quiet cost model to plan from, it drafts
-``draft_max``; fixed mode always does.
+Every request is sized this way, seeded sampling ones included: a seeded request's tokens are
+the target's keyed draws at their positions whatever K was (speclm.verifier), so its draft
+length may follow timing too.
 
 ``draft_min`` follows llama.cpp: a draft shorter than it is not worth a verify and is dropped,
 but only when the draft is a function of the context (greedy drafting, prompt lookup). A sampled
@@ -41,7 +35,6 @@ would bias which tokens reach the verifier, so those are always verified.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -103,36 +96,6 @@ class DraftLengthPolicy:
             return self.scale * self.prior.verify_s(1 + k)
         return self.t_plain + k * self.t_token
 
-    @property
-    def can_plan(self) -> bool:
-        """Whether :meth:`planned_verify_s` can answer: a cost model measured on a quiet machine
-        (one measured on a busy machine is not cached, and measured again next time)."""
-        return self.prior is not None and not self.prior.noisy
-
-    def planned_verify_s(self, k: int) -> float:
-        """The cost model's own seconds for verifying ``k`` drafted tokens, unscaled by live
-        timings: what a seeded request's draft shape is planned from (see :attr:`can_plan`)."""
-        if not self.can_plan:
-            raise RuntimeError("no quiet cost model to plan from")
-        return self.prior.verify_s(1 + k)
-
-    def planned_k(self) -> int:
-        """K for a seeded request's next round: the rule of :meth:`next_k` over the row's own
-        acceptance and :meth:`planned_verify_s` alone (no live scaling, no draft time), probes
-        every ``probe_every`` plain rounds; ``draft_max`` in fixed mode or with no quiet cost
-        model. Depends on the request's context and seed only."""
-        cfg = self.config
-        if not (cfg.adaptive and self.can_plan):
-            return cfg.draft_max
-        best_k = self._best_k(self.alpha, self.planned_verify_s, planned=True)
-        if best_k == 0:
-            self._plain_streak += 1
-            if self._plain_streak >= cfg.probe_every:
-                self._plain_streak = 0
-                probe = self._best_k(max(self.alpha, PROBE_ALPHA), self.planned_verify_s, planned=True)
-                return max(cfg.draft_min, 1, probe)
-        return best_k
-
     def next_k(self, exploring: bool = False) -> int:
         """K for the next round. ``exploring``: the drafter is measuring its candidates (``auto``,
         plain decoding among them), so a plain step is its decision to make, not this one's."""
@@ -156,15 +119,12 @@ class DraftLengthPolicy:
         """The longest draft worth asking for: a parallel drafter proposes at most its width."""
         return min(self.config.draft_max, self.parallel) if self.parallel else self.config.draft_max
 
-    def _best_k(self, alpha: float, verify_s: Callable[[int], float] | None = None,
-                planned: bool = False) -> int:
-        """The K in {0, draft_min..draft_max} with the most expected tokens per second, by
-        ``verify_s`` (default: the live :meth:`verify_s`); ``planned``: no draft time."""
+    def _best_k(self, alpha: float) -> int:
+        """The K in {0, draft_min..draft_max} with the most expected tokens per second."""
         cfg = self.config
-        verify_s = verify_s or self.verify_s
-        best_k, best_rate = 0, 1.0 / verify_s(0)
+        best_k, best_rate = 0, 1.0 / self.verify_s(0)
         for k in range(max(cfg.draft_min, 1), self._top + 1):
-            rate = expected_tokens(k, alpha) / (verify_s(k) + (0.0 if planned else self.draft_s(k)))
+            rate = expected_tokens(k, alpha) / (self.verify_s(k) + self.draft_s(k))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k

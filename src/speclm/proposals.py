@@ -1,8 +1,8 @@
 """Step 2 of the engine loop: what each decoding row's drafter proposes this step.
 
 Each row's K comes from its own :class:`~speclm.draft_length.DraftLengthPolicy` (measured
-acceptance and the target's cost) or, for a seeded sampling request, planned from its own
-acceptance and the cached cost model alone (its random draws must not depend on timing). Rows
+acceptance and the target's cost), whatever its sampling: a seeded request's tokens do not
+depend on its drafts (speclm.verifier), so its K may follow timing like any other row's. Rows
 whose drafters share a ``batch_group`` (a draft model's rows: drafters/draft_rows.py) draft in
 one call; a row under a grammar gets its
 forced tokens without asking its drafter (speclm.structured). With several rows the batch policy
@@ -89,21 +89,12 @@ class Proposals:
         """What the row's drafter is asked to draft this step (None: a plain step)."""
         if seq.policy is None:
             return None
-        cfg = self.draft_length
-        if seq.fixed_draft:
-            k_max = seq.policy.planned_k()  # never from timing: a seed gives the same tokens every time
-        else:
-            k_max = seq.policy.next_k(getattr(seq.drafter, "probing", False))
-        k_max = min(k_max, seq.budget - 1)
+        k_max = min(seq.policy.next_k(getattr(seq.drafter, "probing", False)), seq.budget - 1)
         if k_max <= 0:
             return None
-        if seq.fixed_draft:  # a seeded request: a tree planned from the cached cost model alone
-            planned = cfg.adaptive and seq.policy.can_plan
-            return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
-                                seq.policy.planned_verify_s if planned else None, seeded=True)
-        timed = cfg.adaptive and seq.policy.knows_cost
+        timed = self.draft_length.adaptive and seq.policy.knows_cost
         return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
-                            seq.policy.verify_s if timed else None)
+                            seq.policy.verify_s if timed else None, seq.round_uniforms(k_max))
 
     def _checked(self, seq: Sequence, draft: Draft, k_max: int) -> Draft:
         if draft.depth > k_max:
@@ -118,19 +109,19 @@ class Proposals:
 
     def _worth_asking(self, batch: list[Sequence]) -> bool:
         """Whether the rows' drafters are asked this step. With several rows the batch policy
-        may find that no draft could pay (speclm.batch.draft_policy); seeded rows and rows
-        under a grammar are always asked (their drafts never depend on timing)."""
+        may find that no draft could pay (speclm.batch.draft_policy); rows under a grammar are
+        always asked (their forced tokens cost no drafting)."""
         if len(batch) < 2 or self.batch_policy is None or all(s.policy is None for s in batch):
             return True  # (no drafters: nothing to skip)
-        if any(s.fixed_draft or s.grammar is not None for s in batch):
+        if any(s.grammar is not None for s in batch):
             return True
         return self.batch_policy.worth_asking(len(batch), _alphas(batch), self.draft_length.draft_max)
 
     def _cap(self, batch: list[Sequence], drafts: list[Draft]) -> list[Draft]:
         """With several rows, cap deterministic chains by the batch's measured step cost.
-        Cutting a deterministic chain is lossless; sampled drafts, trees and seeded rows keep
-        theirs whole (their random draws must not depend on the batch)."""
-        fixed = [s.fixed_draft or d.q_draft is not None or d.tree is not None for s, d in zip(batch, drafts)]
+        Cutting a deterministic chain is lossless; sampled drafts and trees keep theirs whole
+        (an unseeded row's random draws follow its draft's shape)."""
+        fixed = [d.q_draft is not None or d.tree is not None for d in drafts]
         cap = self.batch_policy.choose([d.depth for d in drafts], _alphas(batch), fixed)
         return [d if f or d.num_tokens <= cap else Draft(d.tokens[:cap]) for d, f in zip(drafts, fixed)]
 

@@ -25,7 +25,10 @@ class SamplingParams:
     ``temperature == 0`` means greedy decoding (token-identical to plain greedy decoding under
     speculation); so does any temperature below ``GREEDY_BELOW`` (1e-5), where sampling is
     greedy in all but name and ``logits / T`` would overflow. ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes sampling
-    reproducible; ``None`` draws a fresh seed.
+    reproducible: the token at each output position is then a function of the seed, the
+    position and the target's distribution there alone (:func:`keyed_choice`), so a seeded
+    request returns the same tokens with any drafter, any draft length, with or without
+    speculation and whatever else is batched with it; ``None`` draws a fresh seed.
 
     Structured outputs (at most one; speclm.structured): ``json_schema`` (a dict or its JSON
     text), ``json_object`` (any JSON object), ``regex`` (the whole output matches it) or
@@ -125,3 +128,26 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator) -> torch.Tenso
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)
     # a zero-probability token must never win, even if a draw is exactly 0 (0 / 0 = nan)
     return torch.argmax(torch.where(probs > 0, probs / race, -1.0), dim=-1)
+
+
+def position_uniforms(params: SamplingParams, positions: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
+    """A seeded sampling request's uniform for each of its output positions ([positions] float64
+    in [0, 1), from the seed alone), or None for greedy and unseeded requests."""
+    if params.greedy or params.seed is None:
+        return None
+    gen = torch.Generator().manual_seed(params.seed)
+    return torch.rand(positions, generator=gen, dtype=torch.float64).to(device)
+
+
+def keyed_choice(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token whose interval of p's cumulative distribution holds u: an inverse-CDF draw
+    ([N, V], [N] -> [N]), a function of (p, u) alone, so the same row's p and u give the same
+    token in a plain step and in any verify. With u uniform and fresh per position this is an
+    exact draw from p; the sums run in float64 so that no token's interval is rounded away.
+    A zero-probability token is never chosen."""
+    cdf = probs.to(torch.float64).cumsum(-1)  # [N, V]
+    threshold = uniforms.to(cdf.dtype) * cdf[:, -1]  # [N]: u times the row's total mass
+    index = (cdf <= threshold.unsqueeze(1)).sum(-1)  # the first token whose cdf exceeds it
+    # u * total can round up to the total: then the last token that has any mass
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(-1)
+    return torch.minimum(index, last)

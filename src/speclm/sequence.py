@@ -42,6 +42,8 @@ class Sequence:
     own_drafter: bool = False  # given with the request (reset here) rather than built for it
     grammar: GrammarMatcher | None = None  # structured outputs: follows the committed output
     arrival: float = field(default_factory=time.perf_counter)
+    uniforms: torch.Tensor | None = None  # [limit - prompt] float64: a seeded request's uniform
+    #   per output position (speclm.sampling.position_uniforms); None: greedy or unseeded
 
     @property
     def committed(self) -> torch.Tensor:
@@ -52,11 +54,12 @@ class Sequence:
         """Prefill done: the row drafts and verifies."""
         return self.prefilled >= self.n - 1
 
-    @property
-    def fixed_draft(self) -> bool:
-        """Seeded sampling: how many random draws a round makes depends on its draft length, so
-        the length must not depend on timing or on the rest of the batch."""
-        return not self.params.greedy and self.params.seed is not None
+    def round_uniforms(self, depth: int) -> torch.Tensor | None:
+        """A seeded sampling request's uniforms for the output positions a round of draft
+        ``depth`` may commit ([depth + 1]), or None (greedy, unseeded)."""
+        if self.uniforms is None:
+            return None
+        return self.uniforms[self.generated : self.generated + depth + 1]
 
     @property
     def budget(self) -> int:

@@ -137,7 +137,7 @@ class BatchDraftPolicy:
                fixed: list[bool] | None = None) -> int:
         """The cap K for a step whose rows drafted ``draft_lengths`` (proposed with the full
         ``draft_max``) and have measured acceptance ``alphas``. Rows marked ``fixed`` keep their
-        whole draft whatever the cap (seeded sampling: see BatchEngine), so the step is at least
+        whole draft whatever the cap (sampled drafts and trees: speclm.proposals), so the step is at least
         as wide as their longest draft."""
         fixed = fixed or [False] * len(draft_lengths)
         longest = max(draft_lengths, default=0)

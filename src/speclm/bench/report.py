@@ -170,7 +170,7 @@ def markdown(summary: dict, header: str, specs: list[MethodSpec] | None = None,
 
 
 def mismatches(rows: list[dict]) -> list[str]:
-    """One line per greedy output that differs from plain decoding, with the runner's diagnosis
+    """One line per greedy or seeded output that differs from plain decoding, with the runner's diagnosis
     (numerical near-tie or bug) of the first differing token."""
     out = []
     for r in rows:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ..api import LLM, Speculation
 from ..draft_length import DraftLengthConfig
 from ..errors import SpeclmError
-from ..sampling import SamplingParams
+from ..sampling import SamplingParams, position_uniforms, warp_probs
 from .methods import LLAMACPP_PEERS, MethodSpec
 from .oracle import OracleDrafter
 from .peers import HFPeer
@@ -194,9 +194,11 @@ _WIDTHS = tuple(range(1, 17))  # ways to compute one position: alone, or as the 
 
 
 def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids: list[int],
-                      memo: dict | None = None) -> dict:
-    """Why a greedy output differs from plain decoding: the first differing position and the
-    target's logit gap there between plain's token and the other.
+                      memo: dict | None = None, params: SamplingParams | None = None) -> dict:
+    """Why a greedy (or seeded sampled: ``params``) output differs from plain decoding: the
+    first differing position and the target's gap there between plain's token and the other
+    (greedy: their logits; seeded: how far the position's uniform lies inside plain's token's
+    interval of the cumulative distribution, speclm.sampling.keyed_choice).
 
     Whether a gap is a numerical near-tie is measured, not set per backend: the position's
     logits are computed as plain decoding computes them (one row after the context) and as a
@@ -215,6 +217,8 @@ def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids:
     key = (tuple(prefix.tolist()), ours, theirs)  # rows that part at the same tokens share it
     if memo is not None and key in memo:
         return memo[key]
+    keyed = params is not None and not params.greedy
+    u = float(position_uniforms(params, at + 1)[at]) if keyed else 0.0
     gaps = []  # logit[plain's token] - logit[the other], per way of computing the position
     # each way from a fresh cache: how the context is batched changes its cached keys and values
     for width in sorted({min(w, prefix.shape[0]) for w in _WIDTHS}):
@@ -223,20 +227,31 @@ def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids:
         if cut:
             target.forward(prefix[:cut], 0)
         logits = target.forward(prefix[cut:], cut).logits[-1].double()  # [V]
-        gaps.append(float(logits[ours] - logits[theirs]))
+        gaps.append(_keyed_gap(logits, params, u, ours) if keyed else float(logits[ours] - logits[theirs]))
     target.reset()
     margin, spread = gaps[0], max(gaps) - min(gaps)
     numerics = getattr(target, "numerics", None) or str(target.dtype).removeprefix("torch.")
+    what = "probability mass" if keyed else "logits"
     if min(gaps) <= 0 or margin <= spread:
-        verdict = (f"numerical near-tie (logit gap {margin:.2g}; one-row and several-row forwards "
-                   f"of this position differ by up to {spread:.2g} in {numerics})")
+        verdict = (f"numerical near-tie ({'keyed draw inside its interval by' if keyed else 'logit gap'} "
+                   f"{margin:.2g}; one-row and several-row forwards of this position differ by up to "
+                   f"{spread:.2g} in {numerics})")
     else:
-        verdict = (f"BUG: the target prefers plain's token by {margin:.3g} logits, however the "
+        verdict = (f"BUG: the target picks plain's token by {margin:.3g} {what}, however the "
                    f"position is computed (they differ by {spread:.2g})")
     found = dict(position=at, margin=margin, spread=spread, verdict=verdict)
     if memo is not None:
         memo[key] = found
     return found
+
+
+def _keyed_gap(logits: torch.Tensor, params: SamplingParams, u: float, token: int) -> float:
+    """How far u times the total mass lies inside ``token``'s interval of the warped cumulative
+    distribution (> 0: a keyed draw picks it; speclm.sampling.keyed_choice)."""
+    probs = warp_probs(logits.view(1, -1), params)[0].double()  # [V]
+    cdf = probs.cumsum(0)
+    threshold = u * float(cdf[-1])
+    return min(threshold - float(cdf[token] - probs[token]), float(cdf[token]) - threshold)
 
 
 def run_bench(
@@ -341,10 +356,13 @@ def run_bench(
                     row["speedup"] = row["tok_s"] / ref_row["tok_s"] if ref_row.get("tok_s") else None
                     # greedy identity holds within one engine; across kernels only up to ties
                     same = engine[reference[label]] == engine[label]
-                    row["identical"] = (row["token_ids"] == ref_row["token_ids"]) if params.greedy and same else None
+                    # a seeded request's tokens are speclm's keyed draws, with or without
+                    # speculation (a peer's sampler draws its own way)
+                    checked = same and (params.greedy or (params.seed is not None and not _is_peer(setup)))
+                    row["identical"] = (row["token_ids"] == ref_row["token_ids"]) if checked else None
                     if row["identical"] is False:
                         row["mismatch"] = diagnose_mismatch(llm, messages, ref_row["token_ids"],
-                                                            row["token_ids"], diagnosed)
+                                                            row["token_ids"], diagnosed, params)
                         if _is_peer(setup):  # measured on speclm's target; not speclm's to fix
                             row["mismatch"] = {**row["mismatch"], "verdict": "a peer's own decoding: "
                                                + row["mismatch"]["verdict"].removeprefix("BUG: ")}

@@ -21,10 +21,8 @@ Policy, per session (the choice carries over from request to request):
    again. A candidate far behind the best (below 0.75x) sits out 1, 2, 4, then 8 re-probes
    while it keeps losing, so a hopeless drafter costs little.
 
-A seeded sampling request (``DraftContext.seeded``) must get the same tokens every time, and a
-measured choice depends on timing: its rounds go to the first candidate that drafts (prompt
-lookup among the defaults), whose draft length the engine plans from the request's own
-acceptance (speclm.draft_length), and they leave the rates and the choice untouched.
+A seeded sampling request gets the same tokens whichever candidate drafts its rounds (the
+verifier's keyed draws: speclm.verifier), so its rounds are measured and chosen like any other's.
 
 The choice is remembered per model (``memory``: a small JSON file under the cache directory,
 keyed like the cost model by model file, backend, dtype, threads, device and the candidates):
@@ -127,7 +125,6 @@ class AutoDrafter:
         self._round = 0  # rounds drafted in this session
         self._active: str | None = None
         self._timed = False  # whether this round counts (not when the candidate was just reset)
-        self._seeded = False  # this round is a seeded request's: no timing, no decision
         self._t0 = 0.0
         self._drafted = 0
         self._prompt: torch.Tensor | None = None
@@ -156,10 +153,7 @@ class AutoDrafter:
     @property
     def wants_target_topk(self) -> int:
         """The target's top-k per position, wanted while probing (any learner may be measured
-        next) or while the choice learns from it; 0 otherwise. A seeded request's round: what
-        its drafter wants, whatever the timing-made state."""
-        if self._seeded:
-            return wanted_target_topk(self.candidates[self.seeded_choice][0])
+        next) or while the choice learns from it; 0 otherwise."""
         if self._queue or self.choice is None:
             return self._topk_any
         return wanted_target_topk(self.candidates[self.choice][0])
@@ -172,7 +166,6 @@ class AutoDrafter:
     # -- protocol ---------------------------------------------------------------------------
     def reset(self, prompt_ids: torch.Tensor) -> None:
         self._finish_request()
-        self._seeded = False  # known at the request's first propose
         self._prompt = prompt_ids
         self._reset_done = set()
         for name, (drafter, _) in self.candidates.items():
@@ -183,15 +176,8 @@ class AutoDrafter:
         self._seen = prompt_ids.shape[0]
         self._request = {"decisions": [], "rounds": dict.fromkeys(self.names, 0)}
 
-    @property
-    def seeded_choice(self) -> str:
-        """What a seeded request drafts with: the first candidate that drafts (plain decoding
-        when none does), fixed by the candidates' order alone."""
-        return next((n for n in self.names if not isinstance(self.candidates[n][0], NoDrafter)), self.names[0])
-
     def propose(self, ctx: DraftContext) -> Draft:
-        self._seeded = ctx.seeded
-        name = self.seeded_choice if ctx.seeded else self._queue[0] if self._queue else self.choice
+        name = self._queue[0] if self._queue else self.choice
         drafter, cap = self.candidates[name]
         self._timed = name in self._reset_done
         if not self._timed:  # lazily: a candidate never asked costs nothing; this round's
@@ -216,8 +202,6 @@ class AutoDrafter:
         self._since_choice += len(emitted)
         self._round += 1
         self._request["rounds"][name] += 1
-        if self._seeded:  # neither timed nor a step of the policy
-            return
         if self._queue:
             self._probing(name, len(emitted), seconds, num_accepted)
         else:
@@ -316,8 +300,6 @@ class AutoDrafter:
         inner = drafter_report(self.candidates[active][0]) if active else None
         remembered = (" (remembered for this model)" if self.remembered is not None
                       and self.remembered == self.choice and not self._request.get("decisions") else "")
-        if self._seeded:  # the request's rounds were the seeded choice's, whatever auto measured
-            remembered += f"; this seeded request drafted with {self.seeded_choice} (timing-free)"
         summary = (f"auto: {'probing' if self.choice is None else 'chose ' + self.choice}{remembered}; "
                    f"tok/s {figures or 'not measured yet'}; rounds {used}; "
                    f"{len(self._request.get('decisions', []))} decision(s) this request")

@@ -67,14 +67,10 @@ class DraftContext:
     #               take verifying n drafted tokens of this row (measured); a tree drafter keeps
     #               the nodes that pay for it. None: keep the configured size (fixed drafts, or
     #               no cost known yet)
-    seeded: bool = False  # seeded sampling: the draft must follow from the context and the seed
-    #               alone (never from timing), with or without a cost model to plan from
-
-    @property
-    def planned(self) -> bool:
-        """A seeded round with a cost model to plan from: ``verify_s`` is the cached cost model's
-        plan alone, and a tree is sized from it without measured draft times or calibration."""
-        return self.seeded and self.verify_s is not None
+    uniforms: torch.Tensor | None = None  # [max_tokens + 1] float64: a seeded request's uniforms
+    #               for the positions this round drafts (speclm.sampling.position_uniforms); a
+    #               chain drawn with them (keyed_choice) agrees with the target's own draws
+    #               wherever q is close to p. None: draw from ``generator``
 
 
 @dataclass

@@ -5,7 +5,8 @@ back to the accepted prefix and, next round, feeds only what it has not seen (th
 bonus token, plus the last draft token when everything was accepted).
 
 With sampling, tokens are drawn from q = warp(draft logits) with the same warp as the target and
-those q rows go to the verifier. With a :class:`~.tree_search.TreeShape` the draft grows a dynamic
+those q rows go to the verifier; a seeded request's draws use the uniforms the target draws the
+same positions with (speclm.verifier), so a draft agrees with the target wherever q and p do. With a :class:`~.tree_search.TreeShape` the draft grows a dynamic
 token tree instead of a chain (EAGLE-2's search, run on the draft model with tree masks); its
 children are top-k picks, so the verifier treats them as deterministic. With ``p_min > 0`` drafting stops early when the draft's top
 probability falls below it (llama.cpp's ``--draft-p-min``): low-confidence tokens are usually
@@ -20,7 +21,7 @@ import torch
 
 from ..errors import SpeclmError
 from ..models.base import CausalLM
-from ..sampling import sample_token, warp_probs
+from ..sampling import keyed_choice, sample_token, warp_probs
 from .base import Draft, DraftContext
 from .tree_search import TreeShape, TreeSizer, grow_tree
 
@@ -39,18 +40,27 @@ def check_vocab_compatible(target_tokenizer: object, draft_tokenizer: object) ->
     )
 
 
-def choose_draft_token(logits: torch.Tensor, ctx: DraftContext,
-                       p_min: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One chain position's draft token from the draft's ``logits`` [1, V]: the argmax for a
-    greedy request (q one-hot, not returned), else a draw from q = warp(logits) with the
-    target's warp and the request's generator (q [1, V] returned for the verifier). None when
-    ``p_min > 0`` and the top probability is below it (one host sync, so only when asked)."""
+def draw(q: torch.Tensor, ctx: DraftContext, depth: int) -> torch.Tensor:
+    """A sampled draft token for chain position ``depth`` ([1, V] -> [1]): a seeded request's
+    keyed draw with the uniform the target draws that position with (so the draft is the
+    target's own token wherever q and p agree there), else a draw with the request's generator."""
+    if ctx.uniforms is not None:
+        return keyed_choice(q, ctx.uniforms[depth : depth + 1].to(q.device))
+    return sample_token(q, ctx.generator)
+
+
+def choose_draft_token(logits: torch.Tensor, ctx: DraftContext, p_min: float = 0.0,
+                       depth: int = 0) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Chain position ``depth``'s draft token from the draft's ``logits`` [1, V]: the argmax for
+    a greedy request (q one-hot, not returned), else a draw from q = warp(logits) with the
+    target's warp (q [1, V] returned for the verifier; :func:`draw`). None when ``p_min > 0``
+    and the top probability is below it (one host sync, so only when asked)."""
     params = ctx.params
     if params.greedy:
         q, token = None, logits.argmax(-1)  # [1]
     else:
         q = warp_probs(logits, params)  # [1, V], the same warp as the target's p
-        token = sample_token(q, ctx.generator)
+        token = draw(q, ctx, depth)
     if p_min > 0:
         confidence = q if q is not None else torch.softmax(logits.float(), -1)
         if float(confidence.max()) < p_min:
@@ -74,7 +84,7 @@ def draft_chain(
     tokens: list[torch.Tensor] = []  # each [1]
     q_rows: list[torch.Tensor] = []  # each [1, V]; sampling only (greedy needs no q)
     for i in range(max_tokens):
-        chosen = choose_draft_token(logits, ctx, p_min)
+        chosen = choose_draft_token(logits, ctx, p_min, i)
         if chosen is None:
             break
         tokens.append(chosen[0])
@@ -96,8 +106,8 @@ def draft_chains(
 
     ``logits`` [B, V] predict each row's first draft token; row b drafts at most ``limits[b]``
     tokens, chosen with its own context (params, generator) as a row drafted alone would: one
-    argmax over the batch for the greedy rows, a draw from q = warp(logits) with the row's own
-    generator for each sampled row (a generator draws for one row). Then
+    argmax over the batch for the greedy rows, a draw from q = warp(logits) for each sampled row
+    with its own generator or keyed uniforms (:func:`draw`). Then
     ``step(fed [B, 1], active)`` feeds each row's newest token and returns the next logits
     [B, V]; rows that stopped (their limit, or ``p_min``) are ``active[b] = False`` and feed a
     token whose result nobody reads. No host sync per depth unless ``p_min > 0`` (one then).
@@ -114,7 +124,7 @@ def draft_chains(
         for b in sampled:
             if active[b]:
                 q = warp_probs(logits[b : b + 1], ctxs[b].params)  # [1, V], the target's warp
-                tokens[b] = sample_token(q, ctxs[b].generator)[0]
+                tokens[b] = draw(q, ctxs[b], depth)[0]
                 q_rows[b].append(q)
                 if confidence is not None:
                     confidence[b] = q.amax()
@@ -207,7 +217,7 @@ class DraftModelDrafter:
         self._synced = total
         if self.tree is not None:  # tree nodes are dropped from the cache after the round
             return grow_tree(torch.log_softmax(self._fit_vocab(logits)[0].float(), -1), self,
-                             max_tokens, self.tree, ctx.verify_s, self.sizer, ctx.planned)
+                             max_tokens, self.tree, ctx.verify_s, self.sizer)
 
         def step(token: torch.Tensor, i: int) -> torch.Tensor:
             self._fed_drafts += 1

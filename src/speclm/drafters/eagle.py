@@ -112,7 +112,7 @@ class EagleDrafter:
         if self.tree is not None:
             self._fed_hidden = self.root_hidden.new_empty(0, self.root_hidden.shape[0])
             return grow_tree(torch.log_softmax(root_logits[0], -1), self, ctx.max_tokens, self.tree,
-                             ctx.verify_s, self.sizer, ctx.planned)
+                             ctx.verify_s, self.sizer)
         return self._chain(root_logits, ctx)
 
     def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:

@@ -78,18 +78,15 @@ class TreeSizer:
         self._pending: float | None = None  # predicted accepted tokens of the last kept tree
 
     def keep(self, sorted_scores: torch.Tensor, budget: int, verify_s: Callable[[int], float],
-             draft_s: float, planned: bool = False) -> int:
-        """How many of the ``sorted_scores`` ([N] path log-confidences, best first) to keep.
-        ``planned`` (a seeded request): from the scores and ``verify_s`` alone (c = 1, no draft
-        time), so the same context gives the same tree every time; such rounds calibrate nothing."""
+             draft_s: float) -> int:
+        """How many of the ``sorted_scores`` ([N] path log-confidences, best first) to keep."""
         confidence = sorted_scores[:budget].double().exp().cumsum(0).tolist()  # [n]: sum of the first n
-        c, draft_s = (1.0, 0.0) if planned else (self.calibration, draft_s)
         best_n, best_rate = 1, -math.inf
         for n, expected in enumerate(confidence, start=1):
-            rate = (1.0 + c * expected) / (draft_s + verify_s(n))
+            rate = (1.0 + self.calibration * expected) / (draft_s + verify_s(n))
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        self._pending = confidence[best_n - 1] if confidence and not planned else None
+        self._pending = confidence[best_n - 1] if confidence else None
         return best_n
 
     def observe(self, num_accepted: int) -> None:
@@ -104,8 +101,7 @@ class TreeSizer:
 
 
 def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, shape: TreeShape,
-              verify_s: Callable[[int], float] | None = None, sizer: TreeSizer | None = None,
-              planned: bool = False) -> Draft:
+              verify_s: Callable[[int], float] | None = None, sizer: TreeSizer | None = None) -> Draft:
     """Grow a tree of at most ``depth`` levels from the pending token's draft log-probs ([V]).
 
     Keeps ``shape.budget`` nodes, or, given the target's verify cost (``verify_s(n)``: seconds
@@ -140,7 +136,7 @@ def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, sha
     order = order[torch.sort(-scores[order], stable=True).indices]
     budget = shape.budget
     if shape.fit and verify_s is not None and sizer is not None:
-        budget = sizer.keep(scores[order], budget, verify_s, time.perf_counter() - started, planned)
+        budget = sizer.keep(scores[order], budget, verify_s, time.perf_counter() - started)
     kept = order[:budget]
     kept = kept[torch.argsort(level[kept] * scores.shape[0] + kept)]  # topological order
     position = torch.full(scores.shape, -1, dtype=torch.long)
