@@ -88,7 +88,8 @@ def test_seeded_sampling_identity(target, name):
     make = drafters(target)[name]
     accepted = 0
     for i in range(6):
-        params = SamplingParams(temperature=0.5, top_k=(0, 8)[i % 2], seed=40 + i, max_tokens=30, ignore_eos=True)
+        params = SamplingParams(temperature=0.5, top_k=(0, 8)[i % 2], seed=40 + i, max_tokens=30,
+                                ignore_eos=True)
         prompt = torch.randint(1, V, (3 + i,), generator=torch.Generator().manual_seed(i))
         plain, _ = run(lm, prompt, params)
         spec, stats = run(lm, prompt, params, make(), 1 + i % 4)

@@ -121,8 +121,8 @@ def test_seeded_sampling_identity(target, name):
     make = drafters(target, lm)[name]
     total_accepted = 0
     for i, prompt in enumerate(prompts(8, seed=21)):
-        params = SamplingParams(temperature=(0.3, 0.6)[i % 2], top_p=(1.0, 0.9)[i % 2 if i % 4 else 0],
-                                top_k=(0, 20)[i % 3 == 1], seed=300 + i, max_tokens=32, ignore_eos=True)
+        params = SamplingParams(temperature=(0.2, 0.5)[i % 2], top_p=(1.0, 0.9)[i % 2 if i % 4 else 0],
+                                top_k=(0, 20)[i % 3 == 1], seed=300 + i, max_tokens=48, ignore_eos=True)
         plain, _ = run(lm, prompt, params)
         config = DraftLengthConfig(draft_max=1 + i % 6, adaptive=i % 3 == 0)
         spec, stats = run(lm, prompt, params, make(), config)

@@ -35,7 +35,8 @@ def test_default_model_loads_with_chat_template(llm):
     assert llm.model_path.joinpath("model.safetensors").is_file()  # the dequantized cache
 
 
-def assert_identical_to_plain(llm, prompts, spec, max_tokens: int, params: SamplingParams | None = None) -> list:
+def assert_identical_to_plain(llm, prompts, spec, max_tokens: int,
+                              params: SamplingParams | None = None) -> list:
     """Chat each prompt's first turn plainly and with ``spec`` (None: the LLM's default
     speculation); the greedy (or seeded: ``params``) outputs must match token for token.
     Returns the speculative outputs."""

@@ -4,8 +4,8 @@
    acceptance and residual functions; it must equal p for adversarial p/q pairs and warps.
 2. Monte Carlo: the real ``verify`` (with its random draws) matches p by a chi-square test, and
    the same test rejects a deliberately biased sampler (so it can fail).
-3. Seeded (keyed) draws: ``keyed_choice`` over a grid of uniforms gives each token exactly its
-   share of p, and a keyed verify emits the target's keyed draws whatever was drafted.
+3. Seeded (keyed) draws: a position's draws depend on the seed and the position alone, keyed
+   draws follow p, and a keyed verify emits the target's keyed draws whatever was drafted.
 """
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ import torch
 from scipy.stats import chisquare
 
 from speclm.drafters.base import Draft
-from speclm.sampling import SamplingParams, keyed_choice, sample_token, warp_probs
+from speclm.sampling import (
+    PositionNoise,
+    SamplingParams,
+    keyed_choice,
+    sample_token,
+    warp_probs,
+)
 from speclm.tree import TreeMeta
 from speclm.verifier import acceptance_probs, residual_probs, verify
 
@@ -135,27 +141,30 @@ def test_greedy_verify_rules():
     assert int(v.num_accepted) == 0 and v.tokens.tolist() == [3]
 
 
-@pytest.mark.parametrize("name,p_logits,q_logits", CASES, ids=[c[0] for c in CASES])
-@pytest.mark.parametrize("params", WARPS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
-def test_keyed_choice_gives_each_token_its_share_of_p(name, p_logits, q_logits, params):
-    """Over a grid of N uniforms each token is chosen for its share of p up to one grid step
-    (an exact inverse-CDF draw), never where p is 0, and the ends of [0, 1) land on the first
-    and last tokens that have mass."""
-    n = 100_000
-    p = warp_probs(p_logits[None], params)[0]  # [V]
-    u = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    chosen = keyed_choice(p.expand(n, V), u)  # [n]
-    share = torch.bincount(chosen, minlength=V).double() / n
-    assert (share[p == 0] == 0).all()
-    torch.testing.assert_close(share, p.double(), atol=1.01 / n, rtol=0)
-    ends = keyed_choice(p.expand(2, V), torch.tensor([0.0, torch.nextafter(torch.tensor(1.0, dtype=torch.float64),
-                                                                           torch.tensor(0.0, dtype=torch.float64))]))
-    support = torch.nonzero(p > 0).flatten()
-    assert ends.tolist() == [int(support[0]), int(support[-1])]
+def test_position_noise_follows_seed_and_position_alone_and_keyed_draws_follow_p():
+    """A position's draws are the same in any order and any instance, differ between positions
+    and seeds; keyed draws over 3,000 positions match p by chi-square; a zero-probability token
+    never wins, even against a draw of exactly 0."""
+    noise = PositionNoise(7, V)
+    late_first = [PositionNoise(7, V).row(5), PositionNoise(7, V).rows(3, 3)[2]]
+    assert all(torch.equal(row, noise.row(5)) for row in late_first)
+    assert not torch.equal(noise.row(5), noise.row(6))
+    assert not torch.equal(noise.row(5), PositionNoise(8, V).row(5))
+    assert (noise.row(5) > 0).all() and noise.row(5).dtype == torch.float32
+    params = SamplingParams(temperature=0.8, top_k=6)
+    p = warp_probs(CASES[2][1][None], params)[0]  # p with zeros
+    n = 3000
+    chosen = keyed_choice(p.expand(n, V), PositionNoise(11, V).rows(0, n))
+    counts = torch.bincount(chosen, minlength=V).double()
+    support = p > 0
+    assert counts[~support].sum() == 0
+    assert chisquare(counts[support].numpy(), (p[support] * n).numpy()).pvalue > 1e-3
+    zero = torch.zeros(1, V)
+    assert keyed_choice(p[None], zero).item() in torch.nonzero(support).flatten().tolist()
 
 
-def _keyed_draws(logits: torch.Tensor, params, uniforms: torch.Tensor) -> list[int]:
-    return keyed_choice(warp_probs(logits, params), uniforms).tolist()
+def _keyed_draws(logits: torch.Tensor, params, noise: torch.Tensor) -> list[int]:
+    return keyed_choice(warp_probs(logits, params), noise).tolist()
 
 
 @pytest.mark.parametrize("params", WARPS, ids=lambda s: f"T{s.temperature}-k{s.top_k}-p{s.top_p}")
@@ -167,12 +176,12 @@ def test_a_keyed_verify_emits_the_targets_draws_whatever_was_drafted(params):
     for trial in range(200):
         k = trial % 5 + 1
         logits = torch.randn(k + 1, V, generator=gen, dtype=torch.float64) * 2
-        u = torch.rand(k + 1, generator=gen, dtype=torch.float64)
-        draws = _keyed_draws(logits, params, u)
+        noise = PositionNoise(trial, V).rows(0, k + 1)  # [k + 1, V]
+        draws = _keyed_draws(logits, params, noise)
         lucky = torch.rand(k, generator=gen) < 0.6  # many drafts take the target's draw
         tokens = torch.where(lucky, torch.tensor(draws[:k]), torch.randint(0, V, (k,), generator=gen))
         q = warp_probs(torch.randn(k, V, generator=gen, dtype=torch.float64), params) if trial % 2 else None
-        v = verify(logits, Draft(tokens, q), params, gen, uniforms=u)
+        v = verify(logits, Draft(tokens, q), params, gen, noise=noise)
         n = int(v.num_accepted)
         agree = (tokens == torch.tensor(draws[:k])).long().cumprod(0).sum()
         assert n == int(agree) and v.tokens[: n + 1].tolist() == draws[: n + 1]
@@ -180,14 +189,14 @@ def test_a_keyed_verify_emits_the_targets_draws_whatever_was_drafted(params):
         # (the pending token's) predicts depth 1, row i + 1 (node i's) depth[i] + 1
         tree = TreeMeta.from_parents(torch.tensor([-1, -1, 0, 1]))
         rows = torch.randn(5, V, generator=gen, dtype=torch.float64)
-        tree_u = torch.rand(3, generator=gen, dtype=torch.float64)  # the round's positions 0, 1, 2
-        row_draws = _keyed_draws(rows, params, tree_u[torch.tensor([0, 1, 1, 2, 2])])
+        tree_noise = PositionNoise(1000 + trial, V).rows(0, 3)  # the round's positions 0, 1, 2
+        row_draws = _keyed_draws(rows, params, tree_noise[torch.tensor([0, 1, 1, 2, 2])])
         first = trial % 3  # 0: neither candidate is the draw; 1: node 0 is; 2: node 1 is
         pick = [(row_draws[0] + 1) % V, (row_draws[0] + 2) % V]
         if first:
             pick[first - 1] = row_draws[0]
         under = [row_draws[first] if trial % 2 else (row_draws[first] + 1) % V] * 2  # the child's token
-        v = verify(rows, Draft(torch.tensor(pick + under), None, tree), params, gen, uniforms=tree_u)
+        v = verify(rows, Draft(torch.tensor(pick + under), None, tree), params, gen, noise=tree_noise)
         want = [row_draws[0]]
         if first:
             want.append(row_draws[first])  # the accepted node's row draws the next token

@@ -50,7 +50,7 @@ from .errors import SpeclmError
 from .models.base import CausalLM
 from .models.rows import RowsOutput, SlotRows, TargetRows
 from .proposals import Proposals
-from .sampling import SamplingParams, position_uniforms
+from .sampling import SamplingParams, position_noise
 from .sequence import Sequence
 from .slots import arrange, prefill_groups
 from .stats import RequestStats
@@ -144,8 +144,9 @@ class Engine:
         stats.prompt_tokens = n
         gen = generator if generator is not None else params.make_generator(self.rows.device)
         seq = Sequence(request_id, params, gen, drafter, tokens, n, limit, stats,
-                       own_drafter=drafter is not None, grammar=request_matcher(self.grammars, params.structured),
-                       uniforms=position_uniforms(params, limit - n, self.rows.device))
+                       own_drafter=drafter is not None,
+                       grammar=request_matcher(self.grammars, params.structured),
+                       noise=position_noise(params, self.rows.vocab_size, self.rows.device))
         stats.constrained = seq.grammar is not None
         self.waiting.append(seq)
         return seq
@@ -274,7 +275,7 @@ class Engine:
             logits = out.logits[b, : ks[b] + 1]  # [k + 1, V]
             allowed = masks[b].to(logits.device) if masks[b] is not None else None  # [k + 1, V]
             verdict = verify(logits, draft.to(logits.device), seq.params, seq.generator, allowed,
-                             seq.round_uniforms(draft.depth))
+                             seq.round_noise(draft.depth))
             feedback = min(wanted_target_topk(seq.drafter), self.rows.vocab_size)
             # queued before the sync, so a drafter's feedback costs no extra sync: [k + 1, t]
             topks.append(logits.topk(feedback, dim=-1).indices if feedback else None)

@@ -26,7 +26,7 @@ class SamplingParams:
     speculation); so does any temperature below ``GREEDY_BELOW`` (1e-5), where sampling is
     greedy in all but name and ``logits / T`` would overflow. ``top_k == 0`` and ``top_p == 1`` disable those filters. ``seed`` makes sampling
     reproducible: the token at each output position is then a function of the seed, the
-    position and the target's distribution there alone (:func:`keyed_choice`), so a seeded
+    position and the target's distribution there alone (:class:`PositionNoise`), so a seeded
     request returns the same tokens with any drafter, any draft length, with or without
     speculation and whatever else is batched with it; ``None`` draws a fresh seed.
 
@@ -125,29 +125,65 @@ def sample_token(probs: torch.Tensor, generator: torch.Generator) -> torch.Tenso
 
     Uses the exponential-race trick: argmax(p / E) with E ~ Exp(1) is a draw from p.
     """
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)
-    # a zero-probability token must never win, even if a draw is exactly 0 (0 / 0 = nan)
-    return torch.argmax(torch.where(probs > 0, probs / race, -1.0), dim=-1)
+    return keyed_choice(probs, torch.empty_like(probs).exponential_(1.0, generator=generator))
 
 
-def position_uniforms(params: SamplingParams, positions: int, device: torch.device | str = "cpu") -> torch.Tensor | None:
-    """A seeded sampling request's uniform for each of its output positions ([positions] float64
-    in [0, 1), from the seed alone), or None for greedy and unseeded requests."""
+_MASK64 = (1 << 64) - 1
+
+
+def _position_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed for (request seed, output position): SplitMix64's finalizer over
+    both, so neighbouring positions and seeds get unrelated streams."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class PositionNoise:
+    """A seeded sampling request's Exp(1) draws, one per (output position, token), each
+    position's a function of the seed and the position alone.
+
+    The target's token at output position i is :func:`keyed_choice` of its p there with row i,
+    so it is the same token in a plain step and in any verify, whatever was drafted. Each row is
+    drawn once, when a round first reaches its position, and dropped once the output has passed
+    it (a request holds the rows of at most one round: [K + 1, V] float32)."""
+
+    def __init__(self, seed: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.seed, self.vocab_size, self.device = seed, vocab_size, torch.device(device)
+        self._rows: dict[int, torch.Tensor] = {}  # position -> [V]
+
+    def row(self, position: int) -> torch.Tensor:
+        """Output position ``position``'s draws ([V] float32, on the request's device)."""
+        found = self._rows.get(position)
+        if found is None:
+            gen = torch.Generator().manual_seed(_position_seed(self.seed, position))
+            u = torch.rand(self.vocab_size, generator=gen, dtype=torch.float64)  # [V] in [0, 1)
+            # E = -log(1 - u), in float64 so that no draw rounds to 0 (which would win any race)
+            found = u.neg_().log1p_().neg_().to(torch.float32).to(self.device)
+            self._rows[position] = found
+        return found
+
+    def rows(self, first: int, count: int) -> torch.Tensor:
+        """Positions ``first .. first + count - 1`` ([count, V]); rows before ``first`` are
+        dropped (the output has passed them)."""
+        for stale in [p for p in self._rows if p < first]:
+            del self._rows[stale]
+        return torch.stack([self.row(first + i) for i in range(count)])
+
+
+def position_noise(params: SamplingParams, vocab_size: int,
+                   device: torch.device | str = "cpu") -> PositionNoise | None:
+    """A seeded sampling request's :class:`PositionNoise`, or None for greedy and unseeded ones."""
     if params.greedy or params.seed is None:
         return None
-    gen = torch.Generator().manual_seed(params.seed)
-    return torch.rand(positions, generator=gen, dtype=torch.float64).to(device)
+    return PositionNoise(params.seed, vocab_size, device)
 
 
-def keyed_choice(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """The token whose interval of p's cumulative distribution holds u: an inverse-CDF draw
-    ([N, V], [N] -> [N]), a function of (p, u) alone, so the same row's p and u give the same
-    token in a plain step and in any verify. With u uniform and fresh per position this is an
-    exact draw from p; the sums run in float64 so that no token's interval is rounded away.
-    A zero-probability token is never chosen."""
-    cdf = probs.to(torch.float64).cumsum(-1)  # [N, V]
-    threshold = uniforms.to(cdf.dtype) * cdf[:, -1]  # [N]: u times the row's total mass
-    index = (cdf <= threshold.unsqueeze(1)).sum(-1)  # the first token whose cdf exceeds it
-    # u * total can round up to the total: then the last token that has any mass
-    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).to(torch.uint8).argmax(-1)
-    return torch.minimum(index, last)
+def keyed_choice(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race with given draws ([N, V], [N, V] Exp(1) -> [N]): argmax p / E, an
+    exact draw from p when E is fresh. With a seeded request's :class:`PositionNoise` rows it
+    is a function of (p, position) alone, and it moves only where two tokens' p / E nearly tie,
+    so kernels that round p a little differently rarely change it. A zero-probability token is
+    never chosen, even against a draw of exactly 0."""
+    return torch.argmax(torch.where(probs > 0, probs / noise.to(probs.dtype), -1.0), dim=-1)

@@ -9,7 +9,7 @@ import torch
 
 from .draft_length import DraftLengthPolicy
 from .drafters.base import Drafter, drafter_report
-from .sampling import SamplingParams
+from .sampling import PositionNoise, SamplingParams
 from .stats import RequestStats
 from .structured.matcher import GrammarMatcher
 
@@ -42,8 +42,8 @@ class Sequence:
     own_drafter: bool = False  # given with the request (reset here) rather than built for it
     grammar: GrammarMatcher | None = None  # structured outputs: follows the committed output
     arrival: float = field(default_factory=time.perf_counter)
-    uniforms: torch.Tensor | None = None  # [limit - prompt] float64: a seeded request's uniform
-    #   per output position (speclm.sampling.position_uniforms); None: greedy or unseeded
+    noise: PositionNoise | None = None  # a seeded request's draws per output position
+    #   (speclm.sampling.PositionNoise); None: greedy or unseeded
 
     @property
     def committed(self) -> torch.Tensor:
@@ -54,12 +54,12 @@ class Sequence:
         """Prefill done: the row drafts and verifies."""
         return self.prefilled >= self.n - 1
 
-    def round_uniforms(self, depth: int) -> torch.Tensor | None:
-        """A seeded sampling request's uniforms for the output positions a round of draft
-        ``depth`` may commit ([depth + 1]), or None (greedy, unseeded)."""
-        if self.uniforms is None:
+    def round_noise(self, depth: int) -> torch.Tensor | None:
+        """A seeded sampling request's draws for the output positions a round of draft ``depth``
+        may commit ([depth + 1, V]), or None (greedy, unseeded)."""
+        if self.noise is None:
             return None
-        return self.uniforms[self.generated : self.generated + depth + 1]
+        return self.noise.rows(self.generated, depth + 1)
 
     @property
     def budget(self) -> int:

@@ -8,15 +8,15 @@ draft. Each round therefore emits ``num_accepted + 1`` tokens.
 - Greedy (temperature 0): accept while draft == argmax p; the token at the stop position is
   argmax p. Output is token-identical to plain greedy decoding.
 - Seeded sampling: the token the target draws at each output position is a function of its p
-  there and a uniform fixed by the seed and the position (an inverse-CDF draw:
-  speclm.sampling.keyed_choice). The rule is then greedy's with that draw in place of argmax p:
+  there and Exp(1) draws fixed by the seed and the position (the exponential race argmax p / E:
+  speclm.sampling.PositionNoise). The rule is then greedy's with that draw in place of argmax p:
   accept while draft == the target's draw; the token at the stop position is the target's draw.
-  Each token is an exact draw from p (its uniform is fresh: no earlier position used it), and
+  Each token is an exact draw from p (its draws are fresh: no earlier position used them), and
   the output is the one plain seeded decoding gives, whatever was drafted: a draft, sampled or
   not, only decides how many positions one forward settles. For a deterministic draft the
   acceptance is p(x), as with the rule below. Sampled drafters draw a seeded request's tokens
-  with the same uniforms (speclm.drafters.draft_model.draw), so a draft is accepted with the
-  overlap of x's intervals under q and p: 1 when q = p, at most 1 - TV(p, q), the rule below's.
+  with the same noise (speclm.drafters.draft_model.draw), a Gumbel coupling of q and p: a draft
+  is accepted when both races pick it, always when q = p, at most 1 - TV(p, q), the rule below's.
 - Unseeded sampling (Leviathan et al. 2023, Chen et al. 2023): accept token x with probability
   min(1, p(x) / q(x)); on rejection draw from the residual. Deterministic drafters (prompt
   lookup) have one-hot q. The output distribution is exactly p.
@@ -92,36 +92,38 @@ def constrain(target_logits: torch.Tensor, draft: Draft, allowed: torch.Tensor |
     return target_logits, Draft(draft.tokens, q, draft.tree)
 
 
-def target_choice(target_logits: torch.Tensor, params: SamplingParams, uniforms: torch.Tensor | None) -> torch.Tensor:
+def target_choice(target_logits: torch.Tensor, params: SamplingParams,
+                  noise: torch.Tensor | None) -> torch.Tensor:
     """The target's own token per row ([N, V] -> [N]): argmax p (greedy), or a seeded request's
-    keyed draw with ``uniforms`` [N] (the uniform of the output position each row predicts)."""
+    keyed draw with ``noise`` [N, V] (the draws of the output position each row predicts)."""
     if params.greedy:
         return target_logits.argmax(-1)
-    return keyed_choice(warp_probs(target_logits, params), uniforms)
+    return keyed_choice(warp_probs(target_logits, params), noise)
 
 
 def verify(
     target_logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator,
-    allowed: torch.Tensor | None = None, uniforms: torch.Tensor | None = None,
+    allowed: torch.Tensor | None = None, noise: torch.Tensor | None = None,
 ) -> Verdict:
     """Judge ``draft`` against the target.
 
     target_logits: [k + 1, V] where row i is the target's prediction for the position of draft
     token i (row k predicts the position after the draft, used for the bonus token).
     allowed: [k + 1, V] bool or None: a grammar's mask per row (structured outputs).
-    uniforms: [depth + 1] float64 or None: a seeded sampling request's uniforms for the round's
-    output positions (speclm.sampling.position_uniforms, from the first position this round
-    commits); the round is then judged by the target's keyed draws (module docstring).
+    noise: [depth + 1, V] or None: a seeded sampling request's draws for the round's output
+    positions (speclm.sampling.PositionNoise, from the first position this round commits); the
+    round is then judged by the target's keyed draws (module docstring).
     """
     target_logits, draft = constrain(target_logits, draft, allowed)
-    keyed = params.greedy or uniforms is not None  # judged by the target's own choice per row
+    keyed = params.greedy or noise is not None  # judged by the target's own choice per row
     if draft.tree is not None:
-        return _verify_tree(target_logits, draft, params, generator, uniforms if keyed else None, keyed)
+        return _verify_tree(target_logits, draft, params, generator, noise, keyed)
     draft_tokens = draft.tokens  # [k]
     k = draft_tokens.shape[0]
     chain_path = torch.arange(k, device=draft_tokens.device)
     if keyed:
-        choice = target_choice(target_logits, params, None if uniforms is None else uniforms[: k + 1])  # [k + 1]
+        row_noise = None if noise is None else noise[: k + 1]  # [k + 1, V]
+        choice = target_choice(target_logits, params, row_noise)  # [k + 1]
         matches = draft_tokens == choice[:k]
         num_accepted = matches.to(torch.long).cumprod(0).sum()
         # accepted tokens equal the target's choice, and so does the recovered/bonus token
@@ -150,11 +152,11 @@ def verify(
 
 def _verify_tree(
     target_logits: torch.Tensor, draft: Draft, params: SamplingParams, generator: torch.Generator,
-    uniforms: torch.Tensor | None, keyed: bool,
+    noise: torch.Tensor | None, keyed: bool,
 ) -> Verdict:
     """Multi-draft verification of a token tree; target_logits row 0 is the pending token's,
     row i + 1 node i's. ``keyed``: judged by the target's own choice per row (greedy, or seeded
-    with ``uniforms`` [max depth + 1]: row i + 1 predicts the output position at node i's depth).
+    with ``noise`` [max depth + 1, V]: row i + 1 predicts the output position at node i's depth).
     No host sync: the loops run over the tree's host-side shape only."""
     tree: TreeMeta = draft.tree
     device = target_logits.device
@@ -163,8 +165,9 @@ def _verify_tree(
     parent_row = (tree.parents + 1).to(device)  # [k] the row that judges each node
     depth = tree.depth.to(device)  # [k]
     if keyed:
-        row_uniforms = None if uniforms is None else uniforms[torch.cat([depth.new_zeros(1), depth])]  # [k + 1]
-        target_argmax = target_choice(target_logits, params, row_uniforms)  # [k + 1]
+        rows_depth = torch.cat([depth.new_zeros(1), depth])  # [k + 1]: the depth each row predicts, less 1
+        row_noise = None if noise is None else noise[rows_depth]  # [k + 1, V]
+        target_argmax = target_choice(target_logits, params, row_noise)  # [k + 1]
         matches = tokens == target_argmax[parent_row]  # [k]
         on_path = ~(tree.ancestors.to(device) & ~matches).any(1)  # every ancestor-or-self matches
         score = torch.where(on_path, depth, 0)  # [k]

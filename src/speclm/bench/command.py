@@ -39,7 +39,8 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
                     "same prompts, interleaved prompt by prompt after a warm-up, and report speedup, "
                     "tokens/s, alpha, tau, acceptance by draft position, the draft cost c, the "
                     "Leviathan bound and efficiency per category; greedy and seeded sampled outputs are "
-                    "checked token by token against plain decoding. Every speedup is against plain decoding on "
+                    "checked token by token against plain decoding. Every speedup is against plain "
+                    "decoding on "
                     "the method's own engine (added when not given); a method below 0.95x plain "
                     "in a category is flagged SLOW.",
         epilog=METHOD_HELP % ", ".join(PRESETS))
@@ -63,7 +64,8 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=number(float), default=0.0,
                        help="0 = greedy (default); >0 samples, seeded by --seed, so that "
                             "speculative outputs are identity-checked against plain's too")
-    bench.add_argument("--seed", type=number(int), default=0, help="sampling seed (default: 0): every method draws the same tokens from it")
+    bench.add_argument("--seed", type=number(int), default=0,
+                       help="sampling seed (default: 0): every speclm method draws the same tokens from it")
     bench.add_argument("--out", help="write results.json, results.md and PNG plots here")
     bench.add_argument("--no-warmup", action="store_true", help="skip the warm-up request")
     g = bench.add_argument_group("model")

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from ..api import LLM, Speculation
 from ..draft_length import DraftLengthConfig
 from ..errors import SpeclmError
-from ..sampling import SamplingParams, position_uniforms, warp_probs
+from ..sampling import PositionNoise, SamplingParams, warp_probs
 from .methods import LLAMACPP_PEERS, MethodSpec
 from .oracle import OracleDrafter
 from .peers import HFPeer
@@ -197,8 +197,8 @@ def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids:
                       memo: dict | None = None, params: SamplingParams | None = None) -> dict:
     """Why a greedy (or seeded sampled: ``params``) output differs from plain decoding: the
     first differing position and the target's gap there between plain's token and the other
-    (greedy: their logits; seeded: how far the position's uniform lies inside plain's token's
-    interval of the cumulative distribution, speclm.sampling.keyed_choice).
+    (greedy: their logits; seeded: their scores log p - log E in the exponential race with the
+    position's draws, speclm.sampling.PositionNoise).
 
     Whether a gap is a numerical near-tie is measured, not set per backend: the position's
     logits are computed as plain decoding computes them (one row after the context) and as a
@@ -218,7 +218,7 @@ def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids:
     if memo is not None and key in memo:
         return memo[key]
     keyed = params is not None and not params.greedy
-    u = float(position_uniforms(params, at + 1)[at]) if keyed else 0.0
+    noise = PositionNoise(params.seed, target.vocab_size).row(at) if keyed else None
     gaps = []  # logit[plain's token] - logit[the other], per way of computing the position
     # each way from a fresh cache: how the context is batched changes its cached keys and values
     for width in sorted({min(w, prefix.shape[0]) for w in _WIDTHS}):
@@ -227,31 +227,24 @@ def diagnose_mismatch(llm: LLM, messages: list[dict], plain_ids: list[int], ids:
         if cut:
             target.forward(prefix[:cut], 0)
         logits = target.forward(prefix[cut:], cut).logits[-1].double()  # [V]
-        gaps.append(_keyed_gap(logits, params, u, ours) if keyed else float(logits[ours] - logits[theirs]))
+        if keyed:  # the race's scores log p - log E take the logits' place
+            logits = warp_probs(logits.view(1, -1), params)[0].double().log() - noise.double().log()
+        gaps.append(float(logits[ours] - logits[theirs]))
     target.reset()
     margin, spread = gaps[0], max(gaps) - min(gaps)
     numerics = getattr(target, "numerics", None) or str(target.dtype).removeprefix("torch.")
-    what = "probability mass" if keyed else "logits"
+    what = "in its seeded draw's score" if keyed else "logits"
     if min(gaps) <= 0 or margin <= spread:
-        verdict = (f"numerical near-tie ({'keyed draw inside its interval by' if keyed else 'logit gap'} "
-                   f"{margin:.2g}; one-row and several-row forwards of this position differ by up to "
-                   f"{spread:.2g} in {numerics})")
+        verdict = (f"numerical near-tie ({'seeded draw score' if keyed else 'logit'} gap {margin:.2g}; "
+                   f"one-row and several-row forwards of this position differ by up to {spread:.2g} "
+                   f"in {numerics})")
     else:
-        verdict = (f"BUG: the target picks plain's token by {margin:.3g} {what}, however the "
+        verdict = (f"BUG: the target prefers plain's token by {margin:.3g} {what}, however the "
                    f"position is computed (they differ by {spread:.2g})")
     found = dict(position=at, margin=margin, spread=spread, verdict=verdict)
     if memo is not None:
         memo[key] = found
     return found
-
-
-def _keyed_gap(logits: torch.Tensor, params: SamplingParams, u: float, token: int) -> float:
-    """How far u times the total mass lies inside ``token``'s interval of the warped cumulative
-    distribution (> 0: a keyed draw picks it; speclm.sampling.keyed_choice)."""
-    probs = warp_probs(logits.view(1, -1), params)[0].double()  # [V]
-    cdf = probs.cumsum(0)
-    threshold = u * float(cdf[-1])
-    return min(threshold - float(cdf[token] - probs[token]), float(cdf[token]) - threshold)
 
 
 def run_bench(

@@ -67,10 +67,10 @@ class DraftContext:
     #               take verifying n drafted tokens of this row (measured); a tree drafter keeps
     #               the nodes that pay for it. None: keep the configured size (fixed drafts, or
     #               no cost known yet)
-    uniforms: torch.Tensor | None = None  # [max_tokens + 1] float64: a seeded request's uniforms
-    #               for the positions this round drafts (speclm.sampling.position_uniforms); a
-    #               chain drawn with them (keyed_choice) agrees with the target's own draws
-    #               wherever q is close to p. None: draw from ``generator``
+    noise: torch.Tensor | None = None  # [max_tokens + 1, V]: a seeded request's draws for the
+    #               positions this round drafts (speclm.sampling.PositionNoise); a chain drawn
+    #               with them (keyed_choice) agrees with the target's own draws wherever q is
+    #               close to p. None: draw from ``generator``
 
 
 @dataclass

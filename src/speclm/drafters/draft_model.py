@@ -5,8 +5,9 @@ back to the accepted prefix and, next round, feeds only what it has not seen (th
 bonus token, plus the last draft token when everything was accepted).
 
 With sampling, tokens are drawn from q = warp(draft logits) with the same warp as the target and
-those q rows go to the verifier; a seeded request's draws use the uniforms the target draws the
-same positions with (speclm.verifier), so a draft agrees with the target wherever q and p do. With a :class:`~.tree_search.TreeShape` the draft grows a dynamic
+those q rows go to the verifier; a seeded request's draws use the noise the target draws the
+same positions with (speclm.verifier), so a draft agrees with the target wherever q and p do.
+With a :class:`~.tree_search.TreeShape` the draft grows a dynamic
 token tree instead of a chain (EAGLE-2's search, run on the draft model with tree masks); its
 children are top-k picks, so the verifier treats them as deterministic. With ``p_min > 0`` drafting stops early when the draft's top
 probability falls below it (llama.cpp's ``--draft-p-min``): low-confidence tokens are usually
@@ -42,10 +43,10 @@ def check_vocab_compatible(target_tokenizer: object, draft_tokenizer: object) ->
 
 def draw(q: torch.Tensor, ctx: DraftContext, depth: int) -> torch.Tensor:
     """A sampled draft token for chain position ``depth`` ([1, V] -> [1]): a seeded request's
-    keyed draw with the uniform the target draws that position with (so the draft is the
-    target's own token wherever q and p agree there), else a draw with the request's generator."""
-    if ctx.uniforms is not None:
-        return keyed_choice(q, ctx.uniforms[depth : depth + 1].to(q.device))
+    keyed draw with the noise the target draws that position with (so the draft is the target's
+    own token wherever q and p agree there), else a draw with the request's generator."""
+    if ctx.noise is not None and q.shape[-1] <= ctx.noise.shape[-1]:
+        return keyed_choice(q, ctx.noise[depth : depth + 1, : q.shape[-1]].to(q.device))
     return sample_token(q, ctx.generator)
 
 
@@ -107,7 +108,7 @@ def draft_chains(
     ``logits`` [B, V] predict each row's first draft token; row b drafts at most ``limits[b]``
     tokens, chosen with its own context (params, generator) as a row drafted alone would: one
     argmax over the batch for the greedy rows, a draw from q = warp(logits) for each sampled row
-    with its own generator or keyed uniforms (:func:`draw`). Then
+    with its own generator or keyed noise (:func:`draw`). Then
     ``step(fed [B, 1], active)`` feeds each row's newest token and returns the next logits
     [B, V]; rows that stopped (their limit, or ``p_min``) are ``active[b] = False`` and feed a
     token whose result nobody reads. No host sync per depth unless ``p_min > 0`` (one then).
