@@ -31,6 +31,13 @@ def test_generate_compare_greedy_identical(capsys, model_dirs):
     assert "speedup:" in err and "outputs identical" in err and "tau" in err
 
 
+def test_generate_compare_seeded_sampling_identical(capsys, model_dirs):
+    code, out, err = cli(capsys, "generate", "the quick brown fox", "--model", str(model_dirs["target"]),
+                         "--dtype", "float64", "-n", "20", "--temperature", "0.8", "--seed", "4",
+                         "--draft-model", str(model_dirs["draft"]), "--compare")
+    assert code == 0 and "outputs identical" in err
+
+
 def test_generate_json_from_stdin_with_draft_model(capsys, model_dirs, monkeypatch):
     code, out, _ = cli(capsys, "generate", "--model", str(model_dirs["target"]), "--dtype", "float64",
                        "--draft-model", str(model_dirs["draft"]), "--draft-max", "3", "-n", "12",

@@ -109,7 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="speclm",
         description="Lossless speculative decoding for Hugging Face causal LMs. The output is the "
-                    "target model's own (token-identical when greedy); a drafter only makes it "
+                    "target model's own (token-identical when greedy or seeded); a drafter only makes it "
                     "come faster.",
     )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="feed the prompt as is, without the model's chat template")
     gen.add_argument("--compare", action="store_true",
                      help="also run plain decoding on the same prompt; print the measured speedup "
-                          "and whether the greedy outputs are identical")
+                          "and whether the outputs are identical (greedy, or sampled with --seed)")
     gen.add_argument("--json", action="store_true",
                      help="print one JSON object (text and stats) instead of streaming")
     gen.add_argument("--quiet", "-q", action="store_true", help="do not print stats")
@@ -257,8 +257,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             result["compare"] = {"plain_stats": plain.stats.to_dict(), "speedup": speedup,
                                  "identical": identical}
         else:
-            if not params.greedy:
-                verdict = "differ by design when sampling (same distribution, different draws)"
+            if not params.greedy and params.seed is None:
+                verdict = "differ by design when sampling without --seed (same distribution, other draws)"
             elif identical:
                 verdict = "identical"
             else:
