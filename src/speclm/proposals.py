@@ -94,7 +94,8 @@ class Proposals:
             return None
         timed = self.draft_length.adaptive and seq.policy.knows_cost
         return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
-                            seq.policy.verify_s if timed else None, seq.round_noise(k_max))
+                            seq.policy.verify_s if timed else None,
+                            seq.noise_at if seq.noise is not None else None)
 
     def _checked(self, seq: Sequence, draft: Draft, k_max: int) -> Draft:
         if draft.depth > k_max:

@@ -61,6 +61,10 @@ class Sequence:
             return None
         return self.noise.rows(self.generated, depth + 1)
 
+    def noise_at(self, depth: int) -> torch.Tensor:
+        """The draws of the output position ``depth`` past the round's first ([V]; seeded only)."""
+        return self.noise.row(self.generated + depth)
+
     @property
     def budget(self) -> int:
         """Tokens this request may still commit."""

@@ -67,10 +67,10 @@ class DraftContext:
     #               take verifying n drafted tokens of this row (measured); a tree drafter keeps
     #               the nodes that pay for it. None: keep the configured size (fixed drafts, or
     #               no cost known yet)
-    noise: torch.Tensor | None = None  # [max_tokens + 1, V]: a seeded request's draws for the
-    #               positions this round drafts (speclm.sampling.PositionNoise); a chain drawn
-    #               with them (keyed_choice) agrees with the target's own draws wherever q is
-    #               close to p. None: draw from ``generator``
+    noise: Callable[[int], torch.Tensor] | None = None  # depth -> [V]: a seeded request's draws
+    #               for the round's position ``depth`` (speclm.sampling.PositionNoise), made
+    #               only when a drafter samples; a chain drawn with them (keyed_choice) agrees
+    #               with the target's own draws wherever q is close to p. None: use ``generator``
 
 
 @dataclass

@@ -45,8 +45,9 @@ def draw(q: torch.Tensor, ctx: DraftContext, depth: int) -> torch.Tensor:
     """A sampled draft token for chain position ``depth`` ([1, V] -> [1]): a seeded request's
     keyed draw with the noise the target draws that position with (so the draft is the target's
     own token wherever q and p agree there), else a draw with the request's generator."""
-    if ctx.noise is not None and q.shape[-1] <= ctx.noise.shape[-1]:
-        return keyed_choice(q, ctx.noise[depth : depth + 1, : q.shape[-1]].to(q.device))
+    row = ctx.noise(depth) if ctx.noise is not None else None  # [V]
+    if row is not None and q.shape[-1] <= row.shape[-1]:
+        return keyed_choice(q, row[None, : q.shape[-1]].to(q.device))
     return sample_token(q, ctx.generator)
 
 
