@@ -32,7 +32,7 @@ def test_generate_compare_greedy_identical(capsys, model_dirs):
 
 
 def test_generate_compare_seeded_sampling_identical(capsys, model_dirs):
-    code, out, err = cli(capsys, "generate", "the quick brown fox", "--model", str(model_dirs["target"]),
+    code, _, err = cli(capsys, "generate", "the quick brown fox", "--model", str(model_dirs["target"]),
                          "--dtype", "float64", "-n", "20", "--temperature", "0.8", "--seed", "4",
                          "--draft-model", str(model_dirs["draft"]), "--compare")
     assert code == 0 and "outputs identical" in err
