@@ -381,6 +381,34 @@ def test_the_compiled_wrapper_calls_every_op_through_its_c_entry_point(cpu_kerne
         assert f"aoti_torch_cpu_{name}(" in code, name
 
 
+def test_a_step_with_the_c_wrapper_is_kept_in_inductor_s_graph_cache(cpu_kernel, monkeypatch, tmp_path):
+    """The wrapper's options pickle (inductor keys its on-disk graph cache by them), so a step
+    compiled once is loaded, not compiled again, by the next compile (the next process)."""
+    import pickle
+
+    from torch._dynamo.utils import counters
+
+    from speclm.models import c_shims, compiled
+
+    monkeypatch.setattr(c_shims, "CPP_WRAPPER", True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    options = compiled.compile_options("inductor", None, False)
+    table = options["aot_inductor.custom_ops_to_c_shims"]
+    assert pickle.loads(pickle.dumps(table)) == table
+    weight = torch.randn(24, 96, generator=torch.Generator().manual_seed(3))
+    x = torch.randn(2, 96)
+    runs = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
+            out = torch.compile(lambda x: torch.ops.speclm.small_m_mm(x, weight) * 2, dynamic=False,
+                                options=options)(x)
+        runs.append((out, dict(counters["inductor"])))
+    assert runs[0][1].get("fxgraph_cache_miss") == 1 and runs[1][1].get("fxgraph_cache_hit") == 1, runs
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][0], torch.ops.speclm.small_m_mm(x, weight) * 2)
+
+
 def test_attention_kernel_keeps_a_nan_score_nan(cpu_kernel):
     """A NaN key makes every query row that sees it NaN, as in SDPA (the vectorized exponential
     must not turn it into a zero weight)."""

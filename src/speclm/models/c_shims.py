@@ -54,7 +54,21 @@ def wrapper_options() -> dict:
     wrapper) where it is turned off or the kernels' entry points are not loaded."""
     if not CPP_WRAPPER or not small_m.shims_available():
         return {}
-    ops = torch.ops.speclm
-    return {"cpp_wrapper": True,
-            "aot_inductor.custom_ops_to_c_shims": {getattr(ops, name).default: [declaration]
-                                                   for name, declaration in DECLARATIONS.items()}}
+    return {"cpp_wrapper": True, "aot_inductor.custom_ops_to_c_shims": _ShimTable(tuple(DECLARATIONS.items()))}
+
+
+class _ShimTable(dict):
+    """Inductor's ``custom_ops_to_c_shims`` (op -> [declaration]) that pickles by op name.
+
+    Inductor keys its on-disk graph cache by a pickle of its options, and an op object does not
+    pickle: with a plain dict every process compiled every graph again (~50 s a graph on a 2-core
+    CPU, ~30 minutes for a server's 25). By name it pickles, so a graph compiled once is loaded
+    by the next process; the table's contents are part of the key."""
+
+    def __init__(self, items: tuple[tuple[str, str], ...]) -> None:
+        ops = torch.ops.speclm
+        super().__init__({getattr(ops, name).default: [declaration] for name, declaration in items})
+        self.items_by_name = items
+
+    def __reduce__(self) -> tuple:
+        return _ShimTable, (self.items_by_name,)
