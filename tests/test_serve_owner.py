@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from speclm.models.compiled import _Step
+from speclm.models.compiled_step import CompiledStep
 from speclm.serve.owner import OwnerThread
 
 pytest.importorskip("fastapi")
@@ -93,7 +93,7 @@ class _Logits(torch.nn.Module):
 def test_a_step_compiled_on_another_thread_keeps_more_than_dynamos_default_graphs():
     import torch._dynamo.config as dynamo_config
 
-    step = _Step(_Logits(), None, backend="eager")
+    step = CompiledStep(_Logits(), None, backend="eager")
     step.allow_graphs(40)
     seen = {}
 

@@ -317,9 +317,9 @@ def test_the_graph_pass_groups_calls_on_one_input_and_keeps_the_results(cpu_kern
 
 
 def test_a_compiled_step_groups_the_calls_and_computes_the_same_bits(cpu_kernel, monkeypatch):
-    """Through inductor as the compiled path runs it (models/compiled.py hands it the pass): the
+    """Through inductor as the compiled path runs it (models/compiled_step.py hands it the pass): the
     three projections of one input become one call, and the compiled result equals eager's."""
-    from speclm.models import block_groups, compiled
+    from speclm.models import block_groups, compiled_step
 
     removed = []
     group = block_groups.group_block_calls
@@ -335,7 +335,7 @@ def test_a_compiled_step_groups_the_calls_and_computes_the_same_bits(cpu_kernel,
 
     module = Projections()
     x = torch.randn(1, 3, 96)
-    options = dict(compiled.compile_options("inductor", None, False), fx_graph_cache=False)  # run the pass
+    options = dict(compiled_step.compile_options("inductor", None, False), fx_graph_cache=False)  # run the pass
     with torch.no_grad(), torch._functorch.config.patch(enable_autograd_cache=False):
         got = torch.compile(module, dynamic=False, options=options)(x)
         assert torch.equal(got, module(x))
@@ -348,10 +348,10 @@ def test_the_compiled_wrapper_calls_every_op_through_its_c_entry_point(cpu_kerne
     has the bits of the ops run one by one (optional tensors given and left out, a bool, a list)."""
     from torch._inductor.utils import run_and_get_cpp_code
 
-    from speclm.models import c_shims, compiled
+    from speclm.models import c_shims, compiled_step
 
     monkeypatch.setattr(c_shims, "CPP_WRAPPER", True)  # the default, whatever SPECLM_CPP_WRAPPER says
-    options = dict(compiled.compile_options("inductor", None, False), fx_graph_cache=False)
+    options = dict(compiled_step.compile_options("inductor", None, False), fx_graph_cache=False)
     assert options.get("cpp_wrapper") is True
     gen = torch.Generator().manual_seed(14)
     q, k, v = _block_layers(gen, 96)
@@ -388,11 +388,11 @@ def test_a_step_with_the_c_wrapper_is_kept_in_inductor_s_graph_cache(cpu_kernel,
 
     from torch._dynamo.utils import counters
 
-    from speclm.models import c_shims, compiled
+    from speclm.models import c_shims, compiled_step
 
     monkeypatch.setattr(c_shims, "CPP_WRAPPER", True)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    options = compiled.compile_options("inductor", None, False)
+    options = compiled_step.compile_options("inductor", None, False)
     table = options["aot_inductor.custom_ops_to_c_shims"]
     assert pickle.loads(pickle.dumps(table)) == table
     weight = torch.randn(24, 96, generator=torch.Generator().manual_seed(3))

@@ -12,7 +12,7 @@ entry point calls its op through the dispatcher: the same kernels, the same bits
 
 Used where the kernels are built (x86 CPUs with AVX2) for compiled steps without weight freezing
 (float32 and float64), except on PyTorch's int4 layers, whose CPU product has no C entry point
-(models/compiled.py decides). ``SPECLM_CPP_WRAPPER=0``, or ``CPP_WRAPPER = False`` before a model is
+(models/compiled_step.py decides). ``SPECLM_CPP_WRAPPER=0``, or ``CPP_WRAPPER = False`` before a model is
 compiled, keeps the Python wrapper (for a before/after in one process:
 ``benchmarks/step_cost.py --wrapper python,cpp``).
 """

@@ -36,7 +36,6 @@ the precision, not the speculation (in float32 the runs are identical).
 from __future__ import annotations
 
 import copy
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -45,10 +44,9 @@ import torch
 
 from ..errors import SpeclmError
 from ..tree import TreeMeta
-from . import c_shims
 from .attention import MASKED_4D
 from .base import ForwardOutput, spread_hidden
-from .block_groups import GroupBlockCalls
+from .compiled_step import CompiledStep
 from .dtypes import cast_keeping_rotary, fast_dtype
 from .hf_kwargs import cache_kwarg
 from .kv_cache import check_forward
@@ -76,119 +74,6 @@ def auto_dtype(device: torch.device, quantize: str | None) -> torch.dtype:
     return fast_dtype(device)
 
 
-def _raise_dynamo_limits(graphs: int) -> None:
-    """Let dynamo keep ``graphs`` graphs of one function. Its settings are context variables:
-    they hold for the calling thread only, so a step raises them again on the thread that
-    compiles (a server's engine thread otherwise fell back to eager at dynamo's default of 8)."""
-    import torch._dynamo.config as dynamo_config
-
-    for name, want in (("recompile_limit", graphs), ("cache_size_limit", graphs),
-                       ("accumulated_recompile_limit", 4 * graphs), ("accumulated_cache_size_limit", 4 * graphs)):
-        current = getattr(dynamo_config, name, None)
-        if isinstance(current, int) and current < want:
-            setattr(dynamo_config, name, want)
-
-
-def compile_options(backend: str, mode: str | None, freeze: bool, cpp_wrapper: bool = True) -> dict | None:
-    """Inductor's options for a compiled step (torch.compile takes a mode or options, not both).
-    ``cpp_wrapper=False`` keeps inductor's Python wrapper where speclm's kernels would allow a C++
-    one (a graph whose ops have no C entry point, such as PyTorch's CPU int4 product, would call
-    them back through Python)."""
-    if backend != "inductor" or mode is not None:
-        return None
-    # one kernel call for the GGUF block layers that read the same input (block_groups.py)
-    options: dict = {"post_grad_custom_pre_pass": GroupBlockCalls()}
-    if freeze:
-        # freezing folds the weights into the graph as constants, which lets inductor prepack
-        # them for oneDNN (AMX): ~1.4x faster bfloat16 matmuls on CPU, no gain in float32. The
-        # weights must not change after compiling (inference only), and a frozen graph skips
-        # inductor's on-disk cache, so every process compiles it again.
-        options["freezing"] = True
-    elif cpp_wrapper:
-        # the step's wrapper in C++, calling speclm's ops directly (models/c_shims.py)
-        options.update(c_shims.wrapper_options())
-    return options
-
-
-class _Step:
-    """The compiled forward of one model, shared by a backend, its forks and its batched rows
-    (models/compiled_rows.py): one graph per (rows, tokens, capacity) seen."""
-
-    def __init__(self, model: torch.nn.Module, mode: str | None, backend: str = "inductor",
-                 freeze: bool = False, cpp_wrapper: bool = True) -> None:
-        self.model = model
-        cache_kw = cache_kwarg(model)
-
-        def step(cache: StaticKVCache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 mask: torch.Tensor, layers: tuple[int, ...] = ()):
-            out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                        use_cache=True, output_hidden_states=list(layers) if layers else False,
-                        **{cache_kw: cache})
-            logits = out.logits  # [B, T, V]
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (or 64)
-            if not layers:
-                return logits
-            return logits, tuple(out.hidden_states[i] for i in layers)  # [B, T, H] each
-
-        self.eager = step
-        self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend,
-                                      options=compile_options(backend, mode, freeze, cpp_wrapper))
-        self.seen: set[tuple] = set()  # (tokens, capacity) or (rows, tokens, capacity) compiled so far
-        self.seen_hidden: set[tuple] = set()  # (key, layers): graphs that also return hidden states
-        self.skip_guards = True
-        self.warming = False
-        self.graphs = 8  # graphs dynamo may keep of the step (allow_graphs)
-        self._hooks_installed = False
-
-    def _install_output_hooks(self) -> None:
-        """transformers installs the hooks that capture hidden states on the first forward that
-        asks for them. Traced inside the compiled step, that installation breaks the graph, and
-        the first graph compiled with hidden states then ran two graphs a call: ~1.8x a plain
-        step (60 against 34 ms for one bfloat16 token on the default model). One eager forward
-        of one token, without a cache, installs them before anything is traced."""
-        if self._hooks_installed:
-            return
-        first = next(self.model.parameters())
-        with torch.no_grad():
-            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=first.device), use_cache=False,
-                       output_hidden_states=True)
-        self._hooks_installed = True
-
-    def allow_graphs(self, graphs: int) -> None:
-        """Raise dynamo's recompile limits to hold ``graphs`` graphs of the step (more, never
-        fewer, than asked before), here and on whichever thread compiles one later."""
-        self.graphs = max(self.graphs, graphs)
-        _raise_dynamo_limits(self.graphs)
-
-    def __call__(self, key: tuple, *args, layers: tuple[int, ...] = ()):
-        """Run the graph for ``key`` (compiling it on first use) on ``args``: the logits, or with
-        ``layers`` (sorted indices into the hidden states, 0 = embeddings) the logits and those
-        layers' hidden states, for a drafter that reads the target's features."""
-        seen, entry = (self.seen_hidden, (key, layers)) if layers else (self.seen, key)
-        if entry in seen:
-            # this shape is compiled: check only the guards that tell the compiled graphs apart
-            # (dynamo's full guard set costs ~1 ms per call on a 30-layer model)
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.skip_guards):
-                    return self.compiled(*args, layers)
-            except RuntimeError as exc:  # a guard beyond the shape failed (global state, another
-                if "skip_guard_eval_unsafe" not in str(exc):  # instance's graphs): check them all
-                    raise
-                _raise_dynamo_limits(self.graphs)
-                return self.compiled(*args, layers)
-        if (self.seen or self.seen_hidden) and not self.warming:
-            rows = f"{key[0]} rows x " if len(key) == 3 else ""
-            hidden = f" with the hidden states of layers {list(layers)}" if layers else ""
-            print(f"speclm: compiling a step for {rows}{key[-2]} tokens over {key[-1]} cache slots"
-                  f"{hidden} (one time)...", file=sys.stderr)
-        _raise_dynamo_limits(self.graphs)  # dynamo's limits are per thread
-        if layers:
-            self._install_output_hooks()
-        out = self.compiled(*args, layers)
-        seen.add(entry)
-        return out
-
-
 class CompiledCausalLM:
     """A transformers causal LM, compiled, behind the :class:`~speclm.models.base.CausalLM`
     interface. Build it with :func:`make_compiled`."""
@@ -202,7 +87,7 @@ class CompiledCausalLM:
     def __init__(self, model: torch.nn.Module, eos_token_ids: frozenset[int], *,
                  buckets: Sequence[int] = DEFAULT_BUCKETS, capacities: Sequence[int] | None = None,
                  quantize: str | None = None, compile_backend: str = "inductor",
-                 _step: _Step | None = None) -> None:
+                 _step: CompiledStep | None = None) -> None:
         config = model.config
         attention = getattr(config, "_attn_implementation", None) or "eager"
         if attention not in MASKED_4D:
@@ -237,7 +122,7 @@ class CompiledCausalLM:
         self.compile_backend = compile_backend
         freeze = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
         # PyTorch's CPU int4 product has no C entry point for inductor's C++ wrapper
-        self._step = _step or _Step(model, mode, compile_backend, freeze, cpp_wrapper=quantize != "int4")
+        self._step = _step or CompiledStep(model, mode, compile_backend, freeze, cpp_wrapper=quantize != "int4")
         self._step.allow_graphs(len(self.buckets) * len(self.capacities) * 4)  # with and without features
         self._min = torch.finfo(self.dtype).min
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)
