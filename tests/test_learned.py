@@ -382,6 +382,41 @@ def test_loading_for_another_target_is_a_clear_error(target, tmp_path):
         load_learned_drafter(tmp_path / "empty", backend(target), "eagle")
 
 
+def test_a_quantized_target_keeps_its_identity(cpu_kernel):
+    """--quantize swaps the LM head for a layer with no float weight: the target's identity then
+    comes from the embeddings the head is tied to, or from the weights its GGUF blocks describe,
+    so a drafter made on the float model is recognised on its quantized copy."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    from speclm.models.quantize import quantize_weights
+    from speclm.models.small_m import BlockLinear
+    from .conftest import tiny_config
+
+    config = tiny_config(V)
+    config.tie_word_embeddings = True
+    torch.manual_seed(3)
+    tied = LlamaForCausalLM(config).float().eval()
+    quantized = copy.deepcopy(tied)
+    quantize_weights(quantized, "int8")
+    assert not hasattr(quantized.get_output_embeddings(), "weight")
+    assert TargetIdentity.of(quantized, "q").same_as(TargetIdentity.of(tied, "f"))
+
+    untied = tiny_model(V, seed=4).float()
+    codes = torch.randint(0, 256, (V, untied.config.hidden_size // 2), dtype=torch.uint8)
+    scale = torch.rand(V, untied.config.hidden_size // 32) * 0.1
+    untied.lm_head = BlockLinear(codes, scale, -8 * scale, 4, None)  # Q4_1 blocks
+    identity = TargetIdentity.of(untied, "blocks")
+    assert identity.vocab_size == V
+    assert identity.fingerprint == round(float(untied.lm_head.dequantized()[:64, :64].double().sum()), 4)
+
+    int8 = tiny_model(V, seed=4).float()
+    quantize_weights(int8, "int8")
+    with pytest.raises(SpeclmError, match="output head is quantized"):
+        TargetIdentity.of(int8, "int8")
+
+
 def test_an_exported_drafter_ships_for_its_own_target_only(target, tmp_path):
     from safetensors.torch import load_file
 

@@ -30,7 +30,7 @@ class TargetIdentity:
     @staticmethod
     def of(model: torch.nn.Module, name: str) -> TargetIdentity:
         config = model.config
-        head = model.get_output_embeddings().weight.detach()
+        head = head_weight(model)
         return TargetIdentity(
             name=name, architecture=type(model).__name__, hidden_size=int(config.hidden_size),
             vocab_size=int(head.shape[0]), num_hidden_layers=int(config.num_hidden_layers),
@@ -54,6 +54,25 @@ class TargetIdentity:
             return [f"the drafter in {where} was trained for {self.name}, whose weights differ "
                     "from this target's: expect lower acceptance (output is still exact)"]
         return []
+
+
+def head_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The target's LM head as float weights [V, H], for its identity. A quantized head (int8 or
+    int4 layers, a GGUF file's blocks: ``--quantize``) keeps no float weight; it then reads the
+    embeddings the head is tied to (which quantizing leaves as they were), else the weights its
+    blocks describe, so a drafter made on the float model is recognised on its quantized copy."""
+    head = model.get_output_embeddings()
+    weight = getattr(head, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.detach()
+    if getattr(model.config, "tie_word_embeddings", False):
+        return model.get_input_embeddings().weight.detach()
+    dequantized = getattr(head, "dequantized", None)
+    if callable(dequantized):
+        return dequantized()
+    raise SpeclmError(f"this target's output head is quantized ({type(head).__name__}) and not tied to "
+                      "its embeddings, so a drafter cannot check that it was made for it: load the "
+                      "target without --quantize, or with --quantize gguf")
 
 
 @dataclass

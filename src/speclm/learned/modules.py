@@ -63,7 +63,8 @@ class MedusaHeads(nn.Module):
     def share_head(self, head: nn.Module) -> None:
         self._shared[:] = [head]
         if "draft_to_target" not in self._buffers:
-            self.register_buffer("draft_to_target", torch.arange(head.weight.shape[0]), persistent=False)
+            rows = getattr(head, "out_features", None) or head.weight.shape[0]  # a quantized head has no weight
+            self.register_buffer("draft_to_target", torch.arange(rows), persistent=False)
 
     @property
     def num_heads(self) -> int:
