@@ -13,8 +13,8 @@ from speclm.drafters.medusa import MedusaDrafter, best_static_tree
 from speclm.drafters.tree_search import TreeShape
 from speclm.engine import generate_tokens
 from speclm.errors import SpeclmError
-from speclm.learned.checkpoint import DrafterConfig, TargetIdentity, save_weights
 from speclm.learned.answers import Answer
+from speclm.learned.checkpoint import DrafterConfig, TargetIdentity, save_weights
 from speclm.learned.features import batch_features
 from speclm.learned.loader import load_learned_drafter
 from speclm.learned.modules import EagleHead, MedusaHeads
@@ -392,6 +392,7 @@ def test_a_quantized_target_keeps_its_identity(cpu_kernel):
 
     from speclm.models.quantize import quantize_weights
     from speclm.models.small_m import BlockLinear
+
     from .conftest import tiny_config
 
     config = tiny_config(V)
