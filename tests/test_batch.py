@@ -471,3 +471,37 @@ def test_ragged_tree_forward_and_compaction_match_one_row(target):
     lm.reset()
     path = torch.cat([a, torch.tensor([11, 13, 15])])
     assert torch.allclose(after[0, 0], lm.forward(path, 0).logits[0], atol=1e-10, rtol=0)
+
+
+def test_policy_counts_what_drafting_costs_before_asking():
+    """Verification alone says drafting pays (alpha 0.9, a 9-token step costs 1.5 plain ones),
+    but each drafted token costs a draft-model forward per row: once that is measured, a busy
+    batch no longer asks its drafters (prompt lookup's microseconds change nothing)."""
+    config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=1000)
+    policy = BatchDraftPolicy(config)
+    policy.update(4, 1, 0.040)
+    policy.update(4, 9, 0.060)
+    assert policy.worth_asking(4, [0.9] * 4, 8) is True and policy.draft_s_per_token == 0.0
+    policy.update_drafting(0.0004, 32)  # prompt lookup: 32 tokens in 0.4 ms
+    assert policy.worth_asking(4, [0.9] * 4, 8) is True
+    for _ in range(30):  # a draft model: 32 tokens in 0.32 s, 10 ms a token
+        policy.update_drafting(0.32, 32)
+    assert policy.draft_s_per_token == pytest.approx(0.01, rel=0.05)
+    assert policy.worth_asking(4, [0.9] * 4, 8) is False
+    assert policy.choose([8] * 4, [0.9] * 4) == 8  # drafts already made: their cost is spent
+    policy.update_drafting(0.0, 0)  # a step that drafted nothing keeps the average's ratio
+    assert policy.draft_s_per_token == pytest.approx(0.01, rel=0.05)
+    # a probe drafts too (a draft model first catches up on what it missed): its price waits
+    # for a share of that many more plain steps
+    probing = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4, probe_share=0.1)
+    cheap_drafts, dear_drafts = BatchDraftPolicy(probing), BatchDraftPolicy(probing)
+    for p in (cheap_drafts, dear_drafts):
+        p.update(4, 1, 0.040)
+        p.update(4, 9, 0.120)
+        p.update(4, 3, 0.060)
+    dear_drafts.update_drafting(0.8, 8)  # 0.1 s a drafted token: a probe drafts 8, 0.8 s
+    streaks = []
+    for p in (cheap_drafts, dear_drafts):
+        picks = [p.choose([8] * 4, [0.2] * 4) for _ in range(400)]  # plain wins at alpha 0.2
+        streaks.append(next(i for i, k in enumerate(picks) if k))
+    assert streaks[0] == 4 and 200 <= streaks[1] <= 206  # 0.02 s: 5 plain steps (0.2 s); 0.82 s: ~205 (8.2 s)

@@ -145,7 +145,7 @@ def test_hidden_states_of_selected_layers(quick, target64, fed):
         assert a.hidden_states[layer].shape == (fed, target64.config.hidden_size)
     assert a.hidden_states[1] is None and quick.cache_length == 5 + fed
     if fed == 3:
-        assert ((4, 32), (0, target64.config.num_hidden_layers)) in quick._step.seen_hidden
+        assert ((4,), (0, target64.config.num_hidden_layers)) in quick._step.seen_hidden
     else:
         assert quick._step.seen_hidden == graphs
 
@@ -324,10 +324,36 @@ def test_warmup_shows_its_progress_graph_by_graph(target64, capsys):
     """Compiling is minutes of silence on a slow CPU: the warm-up counts its graphs on stderr, and
     a second warm-up for the same shapes compiles and prints nothing."""
     fast = make_compiled(target64, EOS, buckets=(1, 2, 4), capacities=(32, 64), compile_backend="aot_eager")
-    fast.warmup(capacities=(32, 64))
+    fast.warmup()
     err = capsys.readouterr().err
-    assert "3 token counts x 2 cache sizes" in err and "6/6" in err
-    assert fast.warmup(capacities=(32, 64)) == 0.0 and capsys.readouterr().err == ""
+    assert "3 token counts" in err and "3/3" in err
+    assert fast.warmup() == 0.0 and capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("how", ["aot_eager", "inductor"])
+def test_one_graph_per_token_count_serves_every_cache_size(target64, how):
+    """The cache's capacity is a dynamic dimension of the graphs: a request that grows the cache
+    past the sizes seen at warm-up runs the graphs already compiled (no compile in the middle of
+    a request, 30-70 s a graph on 2 cores), with the eager backend's logits."""
+    from torch._dynamo.utils import counters
+
+    fast = make_compiled(target64, EOS, buckets=(1, 4), capacities=(32, 64, 264), compile_backend=how)
+    ref = backend(target64)
+    fast.warmup()
+    compiled = counters["stats"]["unique_graphs"]
+    prompt = _ids(20, 5)
+    tol = 1e-9 if how == "aot_eager" else 1e-5
+    for m in (fast, ref):
+        m.reset()
+        m.forward(prompt, 0)
+    pos, sizes = 20, set()
+    while pos < 90:  # one token, then four, across the 32-, 64- and 264-slot buffers
+        fed = _ids(1 if pos % 2 else 4, pos)
+        _same(fast.forward(fed, pos, num_logits=len(fed)), ref.forward(fed, pos, num_logits=len(fed)), tol)
+        pos += len(fed)
+        sizes.add(fast._cache.capacity)
+    assert sizes == {32, 64, 264}
+    assert counters["stats"]["unique_graphs"] == compiled and fast._step.seen == {(1,), (4,)}
 
 
 def test_warmup_compiles_up_to_a_trees_node_budget(target64):

@@ -79,7 +79,7 @@ def test_rows_match_recomputation(quick, target64):
                 rows.keep(b, len(seqs[b]), list(range(kept)))
                 seqs[b] = full[: len(seqs[b]) + kept]
             assert rows.length(b) == len(seqs[b])
-    assert rows.cache.capacity == 64 and any(len(key) == 3 for key in quick._step.seen)
+    assert rows.cache.capacity == 64 and any(len(key) == 2 for key in quick._step.seen)
 
 
 def test_moves_swaps_and_eager_rows(quick, target64):
@@ -171,7 +171,7 @@ def test_server_batches_rows_on_the_compiled_path(model_dirs, monkeypatch):
     def warm(self, k, layers=()):
         assert not layers  # prompt lookup reads no features
         spent = warmup(self, k, layers=layers)
-        graphs.append({key for key in self._step.seen if len(key) == 3})  # (rows, tokens, capacity)
+        graphs.append({key for key in self._step.seen if len(key) == 2})  # (rows, tokens)
         steps.append(self._step)
         return spent
 
@@ -198,6 +198,6 @@ def test_server_batches_rows_on_the_compiled_path(model_dirs, monkeypatch):
     for i, prompt in enumerate(prompts):
         assert answers[i].choices[0].text == solo.generate(prompt * 2, params, speculative=False)[0].text
     assert warmed == 3 * 3  # rows 1, 2, 4 x tokens 1, 2, 4 (K = 3)
-    assert graphs[0] == {(r, t, 288) for r in (1, 2, 4) for t in (1, 2, 4)}  # 256 positions + 32
+    assert graphs[0] == {(r, t) for r in (1, 2, 4) for t in (1, 2, 4)}
     assert max(widths[warmed:]) > 1  # rows shared a compiled step
-    assert len(steps) == 1 and {key for key in steps[0].seen if len(key) == 3} == graphs[0]  # none compiled later
+    assert len(steps) == 1 and {key for key in steps[0].seen if len(key) == 2} == graphs[0]  # none compiled later

@@ -89,18 +89,23 @@ def test_greedy_identity_compiled_target(target):
     assert accepted > 0
 
 
-def test_compiled_draft_warms_the_cache_sizes_the_target_was_warmed_for(target):
-    """A long request grows the draft's cache with the target's: a draft built after the target
-    was warmed for larger cache sizes compiles its steps for those too, not mid-request."""
+def test_compiled_draft_compiles_nothing_when_the_cache_grows(target):
+    """A long request grows the draft's cache with the target's: the draft's graphs, compiled
+    when it is built, serve the larger cache sizes too (none compiled mid-request)."""
+    from torch._dynamo.utils import counters
+
     from speclm.models.compiled import make_compiled
 
     fast = make_compiled(target, frozenset({0}), buckets=(1, 4), capacities=(64, 128, 256),
                          compile_backend="aot_eager")
-    fast.warmup(1, capacities=(64, 128))
-    assert fast.compiled_capacities == (64, 128)
     draft = quant_draft(fast, 4)[1]()
-    assert draft.compiled_capacities == (64, 128)
-    assert {cap for _, cap in draft._step.seen} == {64, 128}
+    graphs, seen = counters["stats"]["unique_graphs"], set(draft._step.seen)
+    assert seen == {(1,), (4,)}
+    draft.forward(torch.randint(1, VOCAB, (100,)), 0)  # a long prompt: eager, into the 128-slot buffers
+    for pos in range(100, 140):  # then steps over them, and over the 256-slot ones
+        draft.forward(torch.tensor([7]), pos)
+    assert draft._cache.capacity == 256
+    assert draft._step.seen == seen and counters["stats"]["unique_graphs"] == graphs
 
 
 def test_api_greedy_identity_and_rows_share_one_copy(model_dirs):
@@ -287,3 +292,29 @@ def test_server_rows_draft_with_one_quantized_copy(model_dirs):
             assert answers[i]["choices"][0]["message"]["content"] == expected, f"request {i}"
             assert answers[i]["speclm"]["drafter"] == "quant[8-bit]"
         assert sum(a["speclm"]["drafted_tokens"] for a in answers.values()) > 0
+
+
+def test_the_files_header_is_read_once_per_version(tmp_path, monkeypatch):
+    """A server builds a row's drafter at every request it admits, and quant asks whether the
+    target's GGUF stores 4-bit blocks: the header (seconds to parse for the default model; the
+    server ran at a fifth of its speed) is read once per version of the file, not per request."""
+    import types
+
+    import gguf
+
+    from speclm.models.gguf_int4 import stores_4bit
+
+    reads = []
+
+    def reader(path):
+        reads.append(path)
+        kind = "Q4_1" if b"q4" in Path(path).read_bytes() else "Q8_0"
+        return types.SimpleNamespace(tensors=[types.SimpleNamespace(tensor_type=types.SimpleNamespace(name=kind))])
+
+    monkeypatch.setattr(gguf, "GGUFReader", reader)
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF q4")
+    assert all(stores_4bit(path) for _ in range(5)) and len(reads) == 1
+    path.write_bytes(b"GGUF q8 -- another file")  # a new version: read again
+    assert not stores_4bit(path) and len(reads) == 2
+    assert not stores_4bit(tmp_path / "missing.gguf") and len(reads) == 2

@@ -151,26 +151,21 @@ class LLM:
         )
         self.warmup(self.speculation)
 
-    def warmup(self, speculation: Speculation | int | None = None, longest: int = 0,
-               layers: Sequence[int] = ()) -> None:
+    def warmup(self, speculation: Speculation | int | None = None, layers: Sequence[int] = ()) -> None:
         """Compile the fast path's steps for ``speculation``'s widest verify (its draft cap or
         its drafter's tree budget, whichever is larger; or a bare draft cap K) now, rather than
-        in the middle of a request, for requests of up to ``longest`` positions (prompt plus new
-        tokens; 0: the smallest cache size); for a drafter that reads the target's features (or
-        ``layers`` with a bare K), the steps that return them.
-        A no-op for the eager and llama.cpp backends."""
+        in the middle of a request (each step serves every cache size, so requests of any length);
+        for a drafter that reads the target's features (or ``layers`` with a bare K), the steps
+        that return them. A no-op for the eager and llama.cpp backends."""
         warm = getattr(self.target, "warmup", None)
         if not callable(warm):
             return
-        caps = getattr(self.target, "capacities", ())
-        fits = [c for c in caps if c >= longest]
-        caps = [c for c in caps if not fits or c <= fits[0]] if longest else None
         k = speculation or 0
         if isinstance(speculation, Speculation):  # a tree may verify more tokens than K
             k = max_draft_tokens(speculation.drafter, speculation.draft_length.draft_max)
             # EAGLE/Medusa: the steps that return features
             layers = getattr(speculation.drafter, "feature_layers", None) or ()
-        warm(k, capacities=caps, layers=layers)
+        warm(k, layers=layers)
 
     def make_speculation(
         self,

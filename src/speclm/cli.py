@@ -28,9 +28,10 @@ _DRAFTERS_HELP = """drafters (--drafter NAME[:key=value,...]):
   early-exit[:layers=N]           the target's first N layers (default: a third)
   draft:path=DIR[,p_min=P]        a smaller model with the target's tokenizer (= --draft-model)
   distilled[:path=DIR]            the draft model `speclm distill` made for this target
-  quant[:bits=4]                  the quantized self-draft: the target's own weights at fewer bits
+  quant[:bits=4,fast=0]           the quantized self-draft: the target's own weights at fewer bits
                                   (torch: an int8/int4 copy, bits=8/4; llama.cpp: a requantized
-                                  copy of its GGUF, bits=2/3/4/8, made once and cached)
+                                  copy of its GGUF, bits=2/3/4/8, made once and cached); fast=1
+                                  runs an eager target's draft compiled (minutes to compile, once)
   auto[:candidates=a,b,...]       the default: measure candidates on the live requests, keep the
                                   fastest, remember the choice per model (default candidates:
                                   none = plain decoding, ngram, suffix, recycle, plus layerskip

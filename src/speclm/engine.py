@@ -302,6 +302,8 @@ class Engine:
         elapsed = t2 - t1
         if self.batch_policy is not None:
             self.batch_policy.update(len(batch), width, elapsed)
+            if len(batch) > 1 and any(proposed.asked):  # what asking the drafters cost
+                self.batch_policy.update_drafting(t1 - t0, proposed.drafted)
         report.batch_size, report.fed_per_row, report.decode_s = len(batch), width, elapsed
         report.draft_s, report.draft_cap = t1 - t0, width - 1
         report.policy_plain = report.policy_plain or (width == 1 and report.longest_draft > 0)

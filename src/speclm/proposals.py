@@ -31,6 +31,7 @@ class Proposed:
     asked: list[bool]  # whether the row's drafter was asked (it then hears the verdict)
     longest: int  # the deepest draft before the batch cap (0: a plain step)
     skipped: bool  # the batch policy found that no draft could pay: nobody was asked
+    drafted: int = 0  # tokens the drafters proposed, over all rows, before the batch cap
 
 
 class Proposals:
@@ -48,9 +49,10 @@ class Proposals:
             proposals = [(Draft.empty(), False)] * len(batch)
         drafts = [d for d, _ in proposals]
         longest = max(d.depth for d in drafts)
+        drafted = sum(d.num_tokens for d in drafts)
         if len(batch) > 1 and self.batch_policy is not None and longest:
             drafts = self._cap(batch, drafts)
-        return Proposed(drafts, [a for _, a in proposals], longest, not worth)
+        return Proposed(drafts, [a for _, a in proposals], longest, not worth, drafted)
 
     def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
         """The row's draft for this step, and whether its drafter was asked. Under a grammar,

@@ -23,6 +23,17 @@ before the plain steps since the last probe have run long enough that the probe'
 (its measured step cost minus a plain step's) is at most ``probe_share`` of their time. A probe
 over 16 rows on a CPU costs several plain steps (16 rows x 4 tokens through every weight), so a
 busy server probes rarely, where a single row's probe costs little and comes often.
+
+Before the rows draft, :meth:`BatchDraftPolicy.worth_asking` also counts what drafting costs:
+the seconds the step's drafting took per token drafted (:meth:`~BatchDraftPolicy.update_drafting`,
+an average over recent steps), times the tokens a cap K would draft, is added to the step's cost.
+Prompt lookup's drafts cost microseconds and change nothing; a draft model whose rows draft one
+forward each per depth (a compiled draft of the target's own 4-bit blocks: ~10 ms a token a row on
+2 cores) would otherwise be asked for 16 rows x K tokens a step that the verify alone says pay.
+Once the drafts exist their cost is spent, so :meth:`~BatchDraftPolicy.choose` caps them by the
+verify's cost alone. A probe's price counts the drafting too: a draft model's rows that sat out
+plain steps first catch up on every token they missed (a prompt's worth each), which on 16 rows
+made a probe cost seconds.
 """
 
 from __future__ import annotations
@@ -117,6 +128,19 @@ class BatchDraftPolicy:
             self.cost.observe(self._computed(1, tokens), seconds)
         self._plain_streak = 0
         self._probe_interval = config.probe_every
+        self._draft_seconds = self._draft_tokens = 0.0  # recent drafting time and tokens (averages)
+
+    @property
+    def draft_s_per_token(self) -> float:
+        """Seconds of drafting per token drafted, over recent steps (0 before any)."""
+        return self._draft_seconds / self._draft_tokens if self._draft_tokens > 0 else 0.0
+
+    def update_drafting(self, seconds: float, tokens: int) -> None:
+        """Record one step's drafting: ``seconds`` spent, ``tokens`` drafted over all rows (a
+        step that drafted nothing still counts its time)."""
+        e = StepCostModel._EMA
+        self._draft_seconds = (1 - e) * self._draft_seconds + e * seconds
+        self._draft_tokens = (1 - e) * self._draft_tokens + e * tokens
 
     def worth_asking(self, batch: int, alphas: list[float], draft_max: int) -> bool:
         """Before any row drafts: could a cap K > 0 win this step if every row drafted
@@ -126,7 +150,7 @@ class BatchDraftPolicy:
         A False counts as a plain step; when a probe is due the answer is True."""
         if not self.config.adaptive or draft_max < 1:
             return True
-        if self._best([draft_max] * batch, alphas, [False] * batch) > 0:
+        if self._best([draft_max] * batch, alphas, [False] * batch, drafting=True) > 0:
             return True
         if self._probe_due(batch, self._plain_streak + 1):
             return True  # choose() runs the probe on the real drafts
@@ -165,11 +189,15 @@ class BatchDraftPolicy:
         probe = self.cost.estimate(self._computed(batch, 1 + _PROBE_K))
         if plain is None or probe is None:
             return True
-        return probe - plain <= self.config.probe_share * streak * plain
+        # a draft model's probe also drafts (and first catches up on the tokens it missed)
+        drafting = self.draft_s_per_token * batch * _PROBE_K
+        return probe - plain + drafting <= self.config.probe_share * streak * plain
 
-    def _best(self, draft_lengths: list[int], alphas: list[float], fixed: list[bool]) -> int:
+    def _best(self, draft_lengths: list[int], alphas: list[float], fixed: list[bool],
+              drafting: bool = False) -> int:
         """The K with the highest expected tokens per second (0 while the plain step of this
-        batch size is unmeasured: it is what drafts must beat)."""
+        batch size is unmeasured: it is what drafts must beat); ``drafting``: the drafts are not
+        made yet, so their measured cost counts too."""
         batch = len(draft_lengths)
         floor = max((d for d, f in zip(draft_lengths, fixed) if f), default=0)
         best_k, best_rate = 0, 0.0
@@ -179,7 +207,10 @@ class BatchDraftPolicy:
                 return 0
             tokens = sum(expected_tokens(d if f else min(d, k), a)
                          for d, a, f in zip(draft_lengths, alphas, fixed))
-            rate = tokens / self.cost.estimate(size)
+            seconds = self.cost.estimate(size)
+            if drafting:
+                seconds += self.draft_s_per_token * sum(d if f else min(d, k) for d, f in zip(draft_lengths, fixed))
+            rate = tokens / seconds
             if k == 0 or rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k

@@ -290,13 +290,10 @@ def run_bench(
     others = [s.label for s in specs if s.label not in plain_labels]
     llm_of = {label: pool.get(engine[label] if not isinstance(setups[label], str) else engine[first_plain])
               for label in setups}
-    # the fast path compiles each verify width and cache size up front, not inside a request
-    first = llm_of[plain_labels[0]]
-    longest = max((len(first.encode(bench_prompt(first, [{"role": "user", "content": "\n".join(p["turns"])}])))
-                   + (params.max_tokens + 16) * len(p["turns"]) for p in prompts), default=0)
+    # the fast path compiles each verify width up front (for every cache size), not inside a request
     for label, setup in setups.items():
         if isinstance(setup, Speculation) or setup is False:
-            llm_of[label].warmup(setup or None, longest)
+            llm_of[label].warmup(setup or None)
         if isinstance(setup, Speculation) and setup.draft_length.adaptive:  # measured (or read
             llm_of[label].cost_model(1 + setup.draft_length.draft_max)  # from the cache) untimed
     if warmup:

@@ -111,9 +111,7 @@ def _torch_draft(target, scheme: str, gguf, compiled: bool) -> CausalLM:
     draft = CompiledCausalLM(model, target.eos_token_ids, buckets=target.buckets,
                              capacities=target.capacities, quantize=scheme,
                              compile_backend=target.compile_backend)
-    # the cache sizes the target was warmed for (a benchmark's or server's longest request):
-    # the draft's cache grows with the target's, so it would compile those mid-request
-    draft.warmup(WARM_TOKENS, capacities=getattr(target, "compiled_capacities", None) or None)
+    draft.warmup(WARM_TOKENS)  # its graphs serve every cache size, as the target's do
     return draft
 
 

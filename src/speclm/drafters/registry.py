@@ -13,9 +13,10 @@ drafter is one entry here and no name is tested for anywhere else.
                                      tree (N children per expansion); async=1 drafts the next
                                      round for the likely outcomes while the target verifies
     distilled[:path=DIR,p_min=0,tree=0,budget=16]  the draft model `speclm distill` made
-    quant[:bits=4,p_min=0,tree=0,budget=16]  the quantized self-draft: the target's own weights
-                                     at fewer bits (torch: int8/int4 copy; llama.cpp: a
-                                     requantized copy of its GGUF, bits=2/3/4/8)
+    quant[:bits=4,fast=0,p_min=0,tree=0,budget=16]  the quantized self-draft: the target's own
+                                     weights at fewer bits (torch: int8/int4 copy; llama.cpp: a
+                                     requantized copy of its GGUF, bits=2/3/4/8); fast=1: an eager
+                                     target's draft runs compiled (minutes to compile, once)
     medusa:path=DIR                  Medusa heads from `speclm train-drafter` (static tree)
     eagle[:path=DIR,tree=4,budget=16]  an EAGLE head: from `speclm train-drafter` (path=DIR), or
                                      without a path the one speclm ships for the target (a

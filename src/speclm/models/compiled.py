@@ -14,8 +14,9 @@
   rows, and a 2-token verify, the commonest, costs ~1.15 one-token steps where 4 cost ~1.4) so
   there are few recompiles. Padded
   rows write into the slots after the real ones, which are masked and later overwritten. The
-  cache length comes in buckets too (static_cache.capacity_buckets); each pair (tokens,
-  capacity) is one compiled graph, which ``warmup`` compiles up front;
+  cache length comes in buckets too (static_cache.capacity_buckets), a dimension the graphs take
+  symbolically: each token count is one compiled graph for every cache size, which ``warmup``
+  compiles up front;
 * a step can also return the hidden states of a few layers (EAGLE/Medusa features): one more
   graph per layer set, the same forward; longer forwards (prompt prefill) and all the hidden
   states at once run the same model eagerly on the same cache: correct, just not compiled;
@@ -23,7 +24,7 @@
   (models/quantize.py); the logits handed to the verifier are always float32;
 * on CUDA the steps are compiled with ``mode="reduce-overhead"`` (CUDA graphs; written for, not
   yet run on a GPU); on CPU the default mode, with weight freezing for bfloat16/float16;
-* once a (tokens, capacity) graph is compiled, calls evaluate only the guards that tell the
+* once a token count's graph is compiled, calls evaluate only the guards that tell the
   compiled graphs apart (``skip_guard_eval_unsafe``; the full set costs ~1 ms a step).
 
 On a 2-core CPU each graph of the 30-layer default model takes ~25-30 s to compile.
@@ -53,6 +54,7 @@ from .kv_cache import check_forward
 from .static_cache import (
     StaticKVCache,
     capacity_buckets,
+    mark_capacity_dynamic,
     static_allowed,
     static_positions,
 )
@@ -158,12 +160,6 @@ class CompiledCausalLM:
         return CompiledRows(self, num_slots)
 
     @property
-    def compiled_capacities(self) -> tuple[int, ...]:
-        """The cache sizes some step is compiled for so far (a draft warms the same ones)."""
-        seen = list(self._step.seen) + [key for key, _ in self._step.seen_hidden]
-        return tuple(sorted({key[-1] for key in seen}))
-
-    @property
     def compiled_graphs(self) -> int:
         """Graphs of the step compiled so far (this model's forks share them): a benchmark
         checks that none was compiled inside a timed request."""
@@ -205,7 +201,7 @@ class CompiledCausalLM:
         mask = self._mask(start_pos, num_new, padded, tree, root_slot)
         self._cache.start.fill_(start_pos)
         args = (self._cache, ids.to(self.device).view(1, padded), positions.to(self.device).view(1, padded), mask)
-        out = self._step((padded, self._cache.capacity), *args, layers=layers)
+        out = self._step((padded,), *args, layers=layers)
         logits, states = out if layers else (out, ())
         self._cache.length += num_new
         logits = logits[0, num_new - num_logits : num_new]  # [num_logits, V]
@@ -219,7 +215,9 @@ class CompiledCausalLM:
     def _mask(self, start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
               root_slot: int | None) -> torch.Tensor:
         allowed = static_allowed(self._cache.capacity, start_pos, num_new, rows, tree, root_slot)
-        return torch.where(allowed.to(self.device), self._zero, self._neg).view(1, 1, rows, -1)
+        mask = torch.where(allowed.to(self.device), self._zero, self._neg).view(1, 1, rows, -1)
+        mark_capacity_dynamic(mask, 3)
+        return mask
 
     def _eager(self, token_ids, start_pos, num_logits, return_hidden, tree, root_slot) -> ForwardOutput:
         """An uncompiled forward on the same cache: long prefills (in chunks) and hidden states."""
@@ -248,27 +246,23 @@ class CompiledCausalLM:
                 hidden = tuple(None if h is None else h[0] for h in out.hidden_states)
         return ForwardOutput(logits=torch.cat(logits), hidden_states=hidden if return_hidden else None)
 
-    def warmup(self, max_draft: int | None = None, capacities: Sequence[int] | None = None,
-               layers: Sequence[int] = ()) -> float:
+    def warmup(self, max_draft: int | None = None, layers: Sequence[int] = ()) -> float:
         """Compile the step for every token bucket up to ``max_draft + 1`` tokens (all buckets by
-        default) over the given cache capacities (the smallest by default), so that compiling
-        does not land in a request's time; with ``layers`` (a drafter's ``feature_layers``), the
-        steps that also return those hidden states. Returns the seconds spent."""
+        default), so that compiling does not land in a request's time (each graph serves every
+        cache size); with ``layers`` (a drafter's ``feature_layers``), the steps that also return
+        those hidden states. Returns the seconds spent."""
         top = self.bucket(max_draft + 1) if max_draft is not None else None
         todo = [b for b in self.buckets if top is None or b <= top]
-        caps = list(capacities or self.capacities[:1])
         sel = tuple(sorted({i % (self.num_layers + 1) for i in layers}))
-        if all((((b, c), sel) in self._step.seen_hidden) if sel else ((b, c) in self._step.seen)
-               for b in todo for c in caps):
+        todo = [b for b in todo if ((((b,), sel) not in self._step.seen_hidden) if sel else ((b,) not in self._step.seen))]
+        if not todo:
             return 0.0
-        graphs = compile_bar([(c, b) for c in caps for b in todo],
-                             f"steps, one time ({len(todo)} token counts x {len(caps)} cache sizes)")
+        graphs = compile_bar(todo, f"steps, one time ({len(todo)} token counts)")
         t0 = time.perf_counter()
         self._step.warming = True
         try:
-            for cap, b in graphs:
+            for b in graphs:
                 self.reset()
-                self._cache.reserve(cap)
                 self.forward(torch.zeros(b, dtype=torch.long), 0, num_logits=1, return_hidden=list(sel))
         finally:
             self._step.warming = False

@@ -7,7 +7,8 @@ capacity, D] per layer, written by position), so a decode step over B rows reads
 instead of B times (one handle per row, :class:`~speclm.models.rows.SlotRows`, runs B forwards).
 
 A step over rows ``0 .. B-1`` (the engine keeps decoding rows there) feeding T tokens each runs
-the model's compiled graph for (rows bucket, token bucket, capacity): B is padded up to a power of
+the model's compiled graph for (rows bucket, token bucket), whatever the cache's capacity (a
+dimension the graphs take symbolically, models/static_cache.py): B is padded up to a power of
 two (at most the slot count), T up to the target's token buckets. Padded rows write into the
 scratch row and their logits are dropped; padded tokens of a row write past its length, where the
 mask hides them until they are overwritten. Each row attends under its own 4D mask (its length, or
@@ -33,7 +34,12 @@ from ..tree import TreeMeta
 from .base import spread_hidden
 from .hf_kwargs import cache_kwarg
 from .rows import RowsOutput, TargetView, _select_layers, describe_target
-from .static_cache import StaticRowsCache, static_allowed, static_positions
+from .static_cache import (
+    StaticRowsCache,
+    mark_capacity_dynamic,
+    static_allowed,
+    static_positions,
+)
 from .warmup import compile_bar
 
 if TYPE_CHECKING:
@@ -125,13 +131,14 @@ class CompiledRows:
             list(range(first, first + real)) + [scratch] * (num_rows - real)))
         self.cache.first_row = first
         mask = torch.where(allowed.to(self.device), self._zero, self._neg).unsqueeze(1)
+        mark_capacity_dynamic(mask, 3)
         return ids.to(self.device), positions.to(self.device), mask
 
     def _compiled(self, rows, token_ids, num_fed, starts, trees, padded_rows: int, padded: int,
                   layers: tuple[int, ...]) -> RowsOutput:
         self.cache.reserve(max(max(starts) + padded, padded))
         ids, positions, mask = self._inputs(token_ids, num_fed, starts, trees, padded_rows, padded, 0)
-        key = (padded_rows, padded, self.cache.capacity)
+        key = (padded_rows, padded)
         out = self._step(key, self.cache, ids, positions, mask, layers=layers)
         logits, states = out if layers else (out, ())  # [padded_rows, padded, V]; [.., H] each
         num_rows, width = token_ids.shape
@@ -187,29 +194,26 @@ class CompiledRows:
     def handle(self, slot: int) -> TargetView:
         return TargetView(self.target)
 
-    def warmup(self, max_draft: int | None = None, capacities: Sequence[int] | None = None,
-               layers: Sequence[int] = ()) -> float:
+    def warmup(self, max_draft: int | None = None, layers: Sequence[int] = ()) -> float:
         """Compile the batched steps for every rows bucket and every token bucket up to
-        ``max_draft + 1`` tokens, over the given cache capacities (the smallest by default);
-        with ``layers`` (the drafters' ``feature_layers``), the steps that also return those
-        hidden states. Returns the seconds spent."""
+        ``max_draft + 1`` tokens (each graph serves every cache size); with ``layers`` (the
+        drafters' ``feature_layers``), the steps that also return those hidden states. Returns
+        the seconds spent."""
         top = self.target.bucket(max_draft + 1) if max_draft is not None else None
         tokens = [b for b in self.target.buckets if top is None or b <= top]
-        caps = list(capacities or self.cache.capacities[:1])
         sel = tuple(_select_layers(list(layers), self.target.num_layers))
-        todo = [(r, t, c) for c in caps for r in self.row_buckets for t in tokens]
+        todo = [(r, t) for r in self.row_buckets for t in tokens]
         todo = [key for key in todo
                 if ((key, sel) not in self._step.seen_hidden if sel else key not in self._step.seen)]
         if not todo:
             return 0.0
         graphs = compile_bar(todo, f"batched steps, one time ({len(self.row_buckets)} row counts x "
-                                   f"{len(tokens)} token counts x {len(caps)} cache sizes)")
+                                   f"{len(tokens)} token counts)")
         t0 = time.perf_counter()
         self._step.warming = True
         try:
-            for r, t, c in graphs:
+            for r, t in graphs:
                 self.cache.reset()
-                self.cache.reserve(c)
                 self.forward(range(r), torch.zeros(r, t, dtype=torch.long), [t] * r, return_hidden=list(sel))
         finally:
             self._step.warming = False

@@ -1,9 +1,10 @@
-"""The compiled forward of one model: one graph per (rows, tokens, capacity) shape.
+"""The compiled forward of one model: one graph per (rows, tokens) shape.
 
 :class:`CompiledStep` wraps the stock transformers forward over a static cache (the step of
 :class:`~speclm.models.compiled.CompiledCausalLM`, shared with its forks and its batched rows,
 models/compiled_rows.py) in ``torch.compile(dynamic=False)``: each shape fed is one graph, compiled
-on first use (or up front by a warm-up); a shape already compiled is run with only the guards
+on first use (or up front by a warm-up), except the cache's capacity, which the cache and its
+mask mark dynamic (models/static_cache.py): one graph serves every cache size; a shape already compiled is run with only the guards
 that tell the graphs apart checked. :func:`compile_options` are inductor's options for it on a
 CPU: speclm's pass that groups GGUF block layers reading one input, freezing for bfloat16, and
 the step's wrapper in C++ calling speclm's ops directly (models/c_shims.py).
@@ -57,7 +58,7 @@ def compile_options(backend: str, mode: str | None, freeze: bool, cpp_wrapper: b
 
 class CompiledStep:
     """The compiled forward of one model, shared by a backend, its forks and its batched rows
-    (models/compiled_rows.py): one graph per (rows, tokens, capacity) seen."""
+    (models/compiled_rows.py): one graph per (rows, tokens) seen."""
 
     def __init__(self, model: torch.nn.Module, mode: str | None, backend: str = "inductor",
                  freeze: bool = False, cpp_wrapper: bool = True) -> None:
@@ -78,7 +79,7 @@ class CompiledStep:
         self.eager = step
         self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend,
                                       options=compile_options(backend, mode, freeze, cpp_wrapper))
-        self.seen: set[tuple] = set()  # (tokens, capacity) or (rows, tokens, capacity) compiled so far
+        self.seen: set[tuple] = set()  # (tokens,) or (rows, tokens) compiled so far
         self.seen_hidden: set[tuple] = set()  # (key, layers): graphs that also return hidden states
         self.skip_guards = True
         self.warming = False
@@ -122,10 +123,9 @@ class CompiledStep:
                 _raise_dynamo_limits(self.graphs)
                 return self.compiled(*args, layers)
         if (self.seen or self.seen_hidden) and not self.warming:
-            rows = f"{key[0]} rows x " if len(key) == 3 else ""
+            rows = f"{key[0]} rows x " if len(key) == 2 else ""
             hidden = f" with the hidden states of layers {list(layers)}" if layers else ""
-            print(f"speclm: compiling a step for {rows}{key[-2]} tokens over {key[-1]} cache slots"
-                  f"{hidden} (one time)...", file=sys.stderr)
+            print(f"speclm: compiling a step for {rows}{key[-1]} tokens{hidden} (one time)...", file=sys.stderr)
         _raise_dynamo_limits(self.graphs)  # dynamo's limits are per thread
         if layers:
             self._install_output_hooks()

@@ -33,6 +33,7 @@ run on a GPU.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,11 +187,22 @@ def block_activations() -> str:
 
 
 def stores_4bit(gguf_path: Path | str) -> bool:
-    """Whether the GGUF file stores any weight as Q4_0 or Q4_1 (reads the header only)."""
+    """Whether the GGUF file stores any weight as Q4_0 or Q4_1. Reads the file's header once per
+    version of the file: a server's drafter factory asks at every request it admits, and parsing
+    the default model's header takes seconds."""
+    try:
+        stat = Path(gguf_path).stat()
+    except OSError:
+        return False
+    return _stores_4bit(str(Path(gguf_path).resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _stores_4bit(path: str, mtime_ns: int, size: int) -> bool:
     from gguf import GGUFReader
 
     try:
-        return any(t.tensor_type.name in FOUR_BIT for t in GGUFReader(str(gguf_path)).tensors)
+        return any(t.tensor_type.name in FOUR_BIT for t in GGUFReader(path).tensors)
     except (OSError, ValueError):
         return False
 

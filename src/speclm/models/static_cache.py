@@ -8,7 +8,11 @@ that hides the slots not yet (or no longer) filled.
 
 The capacity comes in buckets (e.g. 512, 1024, 2048, ...) so that a short request does not read
 a 4k-slot cache at every step; each bucket is one set of buffers, allocated on first use and
-kept, and growing copies the filled slots into the next bucket's buffers.
+kept, and growing copies the filled slots into the next bucket's buffers. The buffers' capacity
+dimension is marked dynamic for TorchDynamo (and so is the mask's, by its callers): one compiled
+graph per token count serves every bucket, so a request that outgrows the buckets compiled so far
+does not stop for a compile (30-70 s a graph on 2 cores); the symbolic size cost ~1% of a step
+on the default model (docs/benchmarks.md).
 
 The object is duck-typed as a transformers cache: the stock HF attention calls
 ``update(key_states, value_states, layer_idx)`` and attends over what it returns. Nothing else
@@ -34,6 +38,13 @@ def capacity_buckets(max_context: int, max_tokens: int, smallest: int = 512) -> 
         cap *= 2
     caps.append(top)
     return tuple(caps)
+
+
+def mark_capacity_dynamic(t: torch.Tensor, dim: int) -> None:
+    """Tell TorchDynamo that dimension ``dim`` of ``t`` (a cache buffer's or a mask's capacity)
+    varies, so the graphs traced with it take any capacity. Where a graph specializes it anyway
+    (``maybe``), that graph recompiles per capacity as before, and stays correct."""
+    torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def static_positions(start_pos: int, num_new: int, rows: int, tree: TreeMeta | None,
@@ -109,6 +120,7 @@ class StaticKVCache:
                 values = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.num_layers)]
             for t in keys + values:
                 torch._dynamo.mark_static_address(t)
+                mark_capacity_dynamic(t, 2)
             self._buffers[capacity] = (keys, values)
         self.keys, self.values = self._buffers[capacity]
 
