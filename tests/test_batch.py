@@ -483,11 +483,13 @@ def test_policy_counts_what_drafting_costs_before_asking():
     policy.update(4, 9, 0.060)
     assert policy.worth_asking(4, [0.9] * 4, 8) is True and policy.draft_s_per_token == 0.0
     policy.update_drafting(0.0004, 32)  # prompt lookup: 32 tokens in 0.4 ms
-    assert policy.worth_asking(4, [0.9] * 4, 8) is True
+    assert policy.worth_asking(4, [0.9] * 4, 8) is True and policy.drafting_pays(4, [0.9] * 4, 8)
     for _ in range(30):  # a draft model: 32 tokens in 0.32 s, 10 ms a token
         policy.update_drafting(0.32, 32)
     assert policy.draft_s_per_token == pytest.approx(0.01, rel=0.05)
     assert policy.worth_asking(4, [0.9] * 4, 8) is False
+    assert policy.drafting_pays(4, [0.9] * 4, 8) is False  # a joining row's draft skips its prefill
+    assert policy.drafting_pays(3, [0.9] * 3, 8) is False  # a size never run: its plain step first
     assert policy.choose([8] * 4, [0.9] * 4) == 8  # drafts already made: their cost is spent
     policy.update_drafting(0.0, 0)  # a step that drafted nothing keeps the average's ratio
     assert policy.draft_s_per_token == pytest.approx(0.01, rel=0.05)

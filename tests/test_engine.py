@@ -193,6 +193,50 @@ def test_chunked_prefill_feeds_a_draft_model_in_the_same_chunks(target):
     assert (stats.drafted_tokens, stats.accepted_tokens) == (out["long"][2].drafted_tokens, out["long"][2].accepted_tokens)
 
 
+@pytest.mark.parametrize("drafts", ["per-row", "batched"])
+def test_a_row_joining_a_plain_batch_prefills_its_draft_when_first_asked(target, drafts):
+    """A request with a draft model joins two running rows while the batch policy finds that no
+    draft pays at that size: the engine skips its draft's prefill, and the draft catches up on
+    the whole prompt when first asked. Its output equals its solo output, and its drafts are
+    accepted exactly as when the draft took the prompt with the target's chunks."""
+    lm = backend(target)
+    draft_lm = backend(noisy_copy(target, 0.08, seed=3))
+    reqs = prompts(3, seed=21)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    solo = run(lm, reqs[2], params)[0]
+    config = DraftLengthConfig(3, 0, adaptive=False)
+
+    def setup(plain_rows: int):
+        """An engine whose first ``plain_rows`` requests never draft, and a count of the draft
+        prefills it runs (chunks fed by the engine)."""
+        fed = [0]
+        group = DraftRows(draft_lm, VOCAB, 3) if drafts == "batched" else None
+
+        def draft():
+            if group is not None:
+                member = group.member()
+                member.on_prefill = lambda held, m=member: fed.__setitem__(0, fed[0] + 1) or group.prefill(m, held)
+                return member
+            drafter = DraftModelDrafter(draft_lm.fork(), VOCAB)
+            on_prefill = drafter.on_prefill
+            drafter.on_prefill = lambda held: fed.__setitem__(0, fed[0] + 1) or on_prefill(held)
+            return drafter
+
+        made = iter(range(10))
+        factory = lambda h: NoDrafter() if next(made) < plain_rows else draft()
+        return Engine(make_rows(lm, 3), drafter_factory=factory, draft_length=config), fed
+
+    engine, fed = setup(0)
+    alone = drive(engine, {0: [("c", reqs[2], params)]})["c"]
+    assert alone[0] == solo and alone[2].drafted_tokens > 0 and fed[0] > 0
+    engine, fed = setup(2)
+    engine.batch_policy.drafting_pays = lambda rows, alphas, k: rows < 3  # a busy batch sits out
+    out = drive(engine, {0: [("a", reqs[0], params), ("b", reqs[1], params)], 2: [("c", reqs[2], params)]})
+    assert out["c"][0] == solo and fed[0] == 0
+    assert (out["c"][2].drafted_tokens, out["c"][2].accepted_tokens) == (alone[2].drafted_tokens,
+                                                                         alone[2].accepted_tokens)
+
+
 def test_seeded_sampled_layer_skip_rows_equal_solo(target):
     """Layer skipping on the batched cache: greedy and seeded sampled rows together give each
     row the tokens its single-row drafter gives it alone."""
@@ -275,6 +319,36 @@ def test_gemma3_style_sliding_window_model_in_a_batch():
                     prefill_chunk=8)
     out = drive(engine, {0: [(str(i), p, params) for i, p in enumerate(reqs)]})
     assert [out[str(i)][0] for i in range(len(reqs))] == solo
+
+
+def test_draft_rows_catch_up_does_not_pad_rows_to_a_long_one(target):
+    """Two rows of a draft's batched rows are in step, a third never took its 60-token prompt
+    (the engine skipped it while the drafters sat out): the long catch-up runs as its own
+    one-row forward, not padded onto the other rows, and all three draft what a one-row draft
+    model drafts for the same tokens."""
+    from speclm.drafters.base import DraftContext
+
+    draft_lm = backend(noisy_copy(target, 0.08, seed=3))
+    gen = torch.Generator().manual_seed(7)
+    texts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (12, 14, 60)]
+    group = DraftRows(draft_lm, VOCAB, 3)
+    calls = []
+    forward = group.rows.forward
+    group.rows.forward = lambda rows, ids, *a, **kw: calls.append((len(rows), ids.shape[1])) or forward(rows, ids, *a, **kw)
+    members = [group.member() for _ in texts]
+    for m, t in zip(members, texts):
+        m.reset(t)
+    for m, t in zip(members[:2], texts[:2]):
+        m.on_prefill(t[:-1])
+    calls.clear()
+    params = SamplingParams()
+    ctxs = [DraftContext(t, 3, params, torch.Generator()) for t in texts]
+    drafts = group.propose_rows(members, ctxs)
+    assert (1, 59) in calls and all(width == 1 for rows, width in calls if rows > 1)
+    for t, ctx, draft in zip(texts, ctxs, drafts):
+        one = DraftModelDrafter(draft_lm.fork(), VOCAB)
+        one.reset(t)
+        assert draft.tokens.tolist() == one.propose(ctx).tokens.tolist()
 
 
 def test_batched_draft_rows_draft_what_one_row_drafts(target, workload):

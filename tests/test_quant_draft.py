@@ -108,6 +108,25 @@ def test_compiled_draft_compiles_nothing_when_the_cache_grows(target):
     assert draft._step.seen == seen and counters["stats"]["unique_graphs"] == graphs
 
 
+def test_compiled_draft_runs_a_long_catch_up_eagerly(target):
+    """The draft compiles the token buckets its warmup covers and no others: a feed longer than
+    those (a row's first catch-up on its prompt) runs eagerly, not through a graph compiled in
+    the middle of a request, and computes the same logits."""
+    from speclm.models.compiled import make_compiled
+
+    fast = make_compiled(target, frozenset({0}), buckets=(1, 4, 16, 32), capacities=(64, 128),
+                         compile_backend="aot_eager")
+    draft = quant_draft(fast, 4)[1]()
+    assert draft._step.seen == {(1,), (4,), (16,)} and draft.buckets == (1, 4, 16)
+    ids = torch.randint(1, VOCAB, (30,), generator=torch.Generator().manual_seed(4))
+    whole = draft.forward(ids[:20], 0, num_logits=20).logits  # 20 tokens: past the 16 bucket
+    assert draft._step.seen == {(1,), (4,), (16,)}
+    draft.reset()
+    draft.forward(ids[:10], 0)
+    parts = draft.forward(ids[10:20], 10, num_logits=10).logits  # the 16 graph
+    torch.testing.assert_close(parts, whole[-10:], atol=1e-4, rtol=1e-4)
+
+
 def test_api_greedy_identity_and_rows_share_one_copy(model_dirs):
     llm = LLM(str(model_dirs["target"]), "quant:bits=8", 4, dtype="float64", adaptive_draft=False)
     assert llm.speculation.name == "quant[8-bit]"

@@ -151,7 +151,8 @@ class LLM:
         )
         self.warmup(self.speculation)
 
-    def warmup(self, speculation: Speculation | int | None = None, layers: Sequence[int] = ()) -> None:
+    def warmup(self, speculation: Speculation | int | None = None, *,
+               layers: Sequence[int] = ()) -> None:
         """Compile the fast path's steps for ``speculation``'s widest verify (its draft cap or
         its drafter's tree budget, whichever is larger; or a bare draft cap K) now, rather than
         in the middle of a request (each step serves every cache size, so requests of any length);

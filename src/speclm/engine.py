@@ -7,7 +7,9 @@ last (the *pending* token). One :meth:`Engine.step`:
 
 1. retire rows that ended; admit waiting requests into free slots (speclm.slots); feed prompts
    to the target a chunk at a time under a per-step token budget (chunked prefill), so that a
-   long prompt never holds running rows up for more than about one chunk's forward;
+   long prompt never holds running rows up for more than about one chunk's forward (a draft
+   model's cache takes the same chunks, unless the batch policy finds that no draft pays at
+   the batch's size: then the drafters sit out, and a row catches up when first asked to draft);
 2. draft (speclm.proposals): each decoding row's drafter proposes up to the row's K (its own
    measured acceptance and the target's cost: :class:`~speclm.draft_length.DraftLengthPolicy`),
    a chain or a token tree; with several rows the batch policy may cap deterministic chains
@@ -48,11 +50,11 @@ from .drafters.base import (
 )
 from .errors import SpeclmError
 from .models.base import CausalLM
-from .models.rows import RowsOutput, SlotRows, TargetRows
+from .models.rows import RowsOutput, SlotRows, TargetRows, padded_groups
 from .proposals import Proposals
 from .sampling import SamplingParams, position_noise
 from .sequence import Sequence
-from .slots import arrange, prefill_groups
+from .slots import arrange
 from .stats import RequestStats
 from .step import SeqOutput, Step, StepReport
 from .structured.compiler import GrammarCompiler, request_matcher
@@ -221,8 +223,9 @@ class Engine:
                 budget -= count
         if not todo:
             return False
+        sit_out = self._drafters_sit_out()
         start = time.perf_counter()
-        for group in prefill_groups(todo):
+        for group in padded_groups(todo):
             width = max(c for _, c in group)
             fed = torch.zeros(len(group), width, dtype=torch.long)  # [J, T] right-padded chunks
             for j, (seq, count) in enumerate(group):
@@ -237,7 +240,7 @@ class Engine:
                 _features(out, seq, j, slice(0, count))
                 seq.prefilled += count
                 on_prefill = getattr(seq.drafter, "on_prefill", None)
-                if on_prefill is not None:  # a draft cache takes the same chunk
+                if on_prefill is not None and not sit_out:  # a draft cache takes the same chunk
                     on_prefill(seq.tokens[: seq.prefilled])
         _sync(self.rows.device)
         elapsed = time.perf_counter() - start
@@ -247,6 +250,17 @@ class Engine:
         report.prefill_tokens = sum(c for _, c in todo)
         report.prefill_s = elapsed
         return True
+
+    def _drafters_sit_out(self) -> bool:
+        """Whether the running rows' drafters are expected to sit out: several rows, and the
+        batch policy finds that no draft pays at this size. A joining row's draft cache then
+        skips the prompt's chunks (it catches up when first asked to draft), so a busy server
+        pays no draft prefill for requests that never draft."""
+        rows = len(self.running)
+        if rows < 2 or self.batch_policy is None:
+            return False
+        alphas = [s.policy.alpha if s.policy is not None else s.alpha for s in self.running]
+        return not self.batch_policy.drafting_pays(rows, alphas, self.draft_length.draft_max)
 
     def _decode(self, batch: list[Sequence], report: StepReport) -> list[SeqOutput]:
         t0 = time.perf_counter()

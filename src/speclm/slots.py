@@ -1,13 +1,11 @@
-"""Where a batch's rows live in the target's cache slots, and how prompt chunks share forwards.
+"""Where a batch's rows live in the target's cache slots.
 
 The engine keeps decoding rows in slots ``0 .. D-1`` (one forward over a contiguous range of
 slots decodes them all) and prefilling rows after them; a prefill step feeds groups of adjacent
-slots, each group one padded forward.
+slots, each group one padded forward (models/rows.py ``padded_groups``).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 from .models.rows import TargetRows
 from .sequence import Sequence
@@ -37,23 +35,3 @@ def arrange(running: list[Sequence], rows: TargetRows) -> list[Sequence]:
             del slots[seq.slot]
         seq.slot, slots[want] = want, seq
     return order
-
-
-def prefill_groups(todo: list[tuple[Sequence, int]], waste: float = 0.25, slack: int = 64
-                   ) -> Iterator[list[tuple[Sequence, int]]]:
-    """Split prefill chunks (in slot order) into groups of adjacent slots that share one padded
-    forward: a group grows while its padding stays under ``waste`` of its tokens (or it is at
-    most ``slack`` tokens wide), so short prompts batch together and a long one does not pad the
-    rest."""
-    group: list[tuple[Sequence, int]] = []
-    for item in todo:
-        trial = group + [item]
-        real = sum(c for _, c in trial)
-        padded = len(trial) * max(c for _, c in trial)
-        apart = group and item[0].slot != group[-1][0].slot + 1  # a forward takes adjacent slots
-        if apart or (group and padded > slack and padded - real > waste * real):
-            yield group
-            trial = [item]
-        group = trial
-    if group:
-        yield group

@@ -157,6 +157,15 @@ class BatchDraftPolicy:
         self._plain_streak += 1
         return False
 
+    def drafting_pays(self, batch: int, alphas: list[float], draft_max: int) -> bool:
+        """Whether a step of ``batch`` rows is expected to draft at all (what
+        :meth:`worth_asking` finds, without counting a plain step or a probe). False while the
+        plain step of this size is unmeasured: the first such step runs plain. The engine skips
+        a joining row's draft prefill when False: the drafters sit out under this load."""
+        if not self.config.adaptive or draft_max < 1:
+            return True
+        return self._best([draft_max] * batch, alphas, [False] * batch, drafting=True) > 0
+
     def choose(self, draft_lengths: list[int], alphas: list[float],
                fixed: list[bool] | None = None) -> int:
         """The cap K for a step whose rows drafted ``draft_lengths`` (proposed with the full

@@ -190,16 +190,21 @@ class DraftModelDrafter:
         return self.tree.budget if self.tree is not None else 0
 
     def reset(self, prompt_ids: torch.Tensor) -> None:
-        """Prefill the draft with the prompt (all but the last token, like the target), so the
-        cost is counted as prefill rather than drafting."""
+        """Start a request with an empty draft cache: the prompt comes by :meth:`on_prefill`,
+        chunk by chunk as the target prefills it (counted as prefill), or, where the engine
+        skips that (a busy batch running plain steps), in the first :meth:`propose`."""
         self.model.reset()
         self._synced = 0
         self._round_start = 0
         self._fed_drafts = 0
-        usable = min(prompt_ids.shape[0] - 1, self.model.max_context - 1)
+
+    def on_prefill(self, held: torch.Tensor) -> None:
+        """Catch the draft's cache up with ``held`` ([n]: the prompt tokens the target's cache
+        now holds), as far as the draft's context allows."""
+        usable = min(held.shape[0], self.model.max_context - 1) - self._synced
         if usable > 0:
-            self.model.forward(prompt_ids[:usable], 0)
-            self._synced = usable
+            self.model.forward(held[self._synced : self._synced + usable], self._synced)
+            self._synced += usable
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         return fit_vocab(logits, self.target_vocab_size)

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpeclmError
-from ..models.rows import RaggedRows
+from ..models.rows import RaggedRows, padded_groups
 from .base import Draft, DraftContext
 from .draft_model import draft_chains, fit_vocab
 
@@ -127,11 +127,16 @@ class DraftRows:
         for m, ctx in zip(members, ctxs):
             m.round_start = int(ctx.token_ids.shape[0])
         unseen = [ctx.token_ids[m.synced :] for m, ctx in zip(members, ctxs)]  # >= 1 each
-        behind = [len(u) - 1 for u in unseen]
-        if max(behind) > 0:  # rounds that were not drafted: catch up, all but the pending token
-            fed = torch.stack([F.pad(u[:-1], (0, max(behind) - b)) for u, b in zip(unseen, behind)])
-            self._forward(n, fed, logits=False)
-            for m, b in zip(members, behind):
+        # rounds that were not drafted (or a prompt the engine did not prefill): catch up on
+        # all but the pending token, rows behind by similar counts in one padded forward
+        behind = [(m, len(u) - 1, u) for m, u in zip(members, unseen) if len(u) > 1]
+        for group in padded_groups([(m, b) for m, b, _ in behind]):
+            width = max(b for _, b in group)
+            unseen_of = {id(m): u for m, _, u in behind}
+            fed = torch.stack([F.pad(unseen_of[id(m)][:-1], (0, width - b)) for m, b in group])  # [G, width]
+            first = group[0][0].slot
+            self.rows.forward(range(first, first + len(group)), fed, [b for _, b in group], logits=False)
+            for m, b in group:
                 self._grow(m, b)
         logits = self._forward(n, torch.stack([u[-1:] for u in unseen]), logits=True)[:, 0]  # [B, V]
         for m in members:

@@ -35,8 +35,16 @@ ALL_BITS = sorted(set(TORCH_BITS) | set(GGUF_BITS))
 # A chain's draft step feeds one token, and its catch-up after a verified round the accepted
 # tokens plus the bonus: up to K + 1. A draft that agrees with the target (the file's own
 # blocks) reaches large K, so its steps are compiled up front for feeds of up to 16 tokens
-# (buckets 1, 4, 8, 16), not in the middle of a request (~30 s a graph on 2 cores).
+# (buckets 1, 2, 4, 8, 16), not in the middle of a request (~30-70 s a graph on 2 cores); a
+# longer feed (a row's first catch-up on a prompt it did not prefill) runs eagerly.
 WARM_TOKENS = 15
+
+
+def _warm_buckets(buckets) -> tuple[int, ...]:
+    """The draft's token buckets: those its warmup compiles. A longer feed (a row's first
+    catch-up on its prompt, or on many plain steps) runs eagerly instead of compiling a graph
+    inside a request."""
+    return tuple(b for b in buckets if b <= WARM_TOKENS + 1) or tuple(buckets)[:1]
 
 
 def check_bits(bits: int) -> None:
@@ -108,7 +116,7 @@ def _torch_draft(target, scheme: str, gguf, compiled: bool) -> CausalLM:
         return HFCausalLM(model, target.eos_token_ids)
     from ..models.compiled import CompiledCausalLM
 
-    draft = CompiledCausalLM(model, target.eos_token_ids, buckets=target.buckets,
+    draft = CompiledCausalLM(model, target.eos_token_ids, buckets=_warm_buckets(target.buckets),
                              capacities=target.capacities, quantize=scheme,
                              compile_backend=target.compile_backend)
     draft.warmup(WARM_TOKENS)  # its graphs serve every cache size, as the target's do
@@ -117,10 +125,10 @@ def _torch_draft(target, scheme: str, gguf, compiled: bool) -> CausalLM:
 
 def _fast_draft(target, scheme: str, gguf) -> CausalLM:
     """An eager target's draft on the compiled path, in the fast dtype (it owns its tensors)."""
-    from ..models.compiled import CompiledCausalLM, auto_dtype
+    from ..models.compiled import DEFAULT_BUCKETS, CompiledCausalLM, auto_dtype
     from ..models.quantize import quantized_copy
 
     model = quantized_copy(target.model, scheme, dtype=auto_dtype(target.device, scheme), gguf=gguf)
-    draft = CompiledCausalLM(model, target.eos_token_ids, quantize=scheme)
+    draft = CompiledCausalLM(model, target.eos_token_ids, buckets=_warm_buckets(DEFAULT_BUCKETS), quantize=scheme)
     draft.warmup(WARM_TOKENS)
     return draft

@@ -25,7 +25,7 @@ forward per depth (speclm.drafters.layer_skip).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -271,3 +271,27 @@ def make_rows(target: CausalLM, max_batch: int, *, needs_trees: bool = False) ->
     if max_batch > 1 and callable(batched) and (takes_trees or not needs_trees):
         return batched(max_batch)
     return SlotRows(target, max_batch)
+
+
+class Slotted(Protocol):
+    slot: int  # the cache slot the item's row lives in
+
+
+def padded_groups(todo: list[tuple[Slotted, int]], waste: float = 0.25, slack: int = 64
+                  ) -> Iterator[list[tuple[Slotted, int]]]:
+    """Split per-row token counts (rows in slot order, e.g. prompt chunks or a draft's
+    catch-up) into groups of adjacent slots that share one right-padded forward: a group grows
+    while its padding stays under ``waste`` of its tokens (or it is at most ``slack`` tokens
+    wide), so short feeds batch together and a long one does not pad the rest."""
+    group: list[tuple[Slotted, int]] = []
+    for item in todo:
+        trial = group + [item]
+        real = sum(c for _, c in trial)
+        padded = len(trial) * max(c for _, c in trial)
+        apart = group and item[0].slot != group[-1][0].slot + 1  # a forward takes adjacent slots
+        if apart or (group and padded > slack and padded - real > waste * real):
+            yield group
+            trial = [item]
+        group = trial
+    if group:
+        yield group
