@@ -66,3 +66,36 @@ def test_a_row_past_the_drafts_context_drafts_nothing(draft):
     far.reset(torch.tensor([1, 2, 3, 4, 5]))
     drafts = group.propose_rows([near, far], [ctx([1, 2], k=4), ctx([1, 2, 3, 4, 5, 6, 7], k=4)])
     assert drafts[0].num_tokens == 4 and drafts[1].num_tokens == 0
+
+
+def test_compiled_draft_rows_draft_what_one_row_drafts():
+    """A draft on the compiled path drafts its rows in one compiled forward per depth: the
+    one-token graph of every rows bucket is compiled when the group is built (none inside a
+    request), a row the engine did not prefill catches up eagerly, and every row drafts what a
+    one-row compiled draft drafts for the same tokens."""
+    from speclm.drafters import DraftModelDrafter
+    from speclm.models.compiled import make_compiled
+
+    fast = make_compiled(tiny_model(VOCAB, seed=4), frozenset({0}), buckets=(1, 4), capacities=(64, 128),
+                         compile_backend="aot_eager")
+    group = DraftRows(fast, VOCAB, 3)
+    seen = set(group.rows._step.seen)
+    assert {(1, 1), (2, 1), (3, 1)} <= seen
+    gen = torch.Generator().manual_seed(5)
+    texts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (9, 30, 14)]
+    members = [group.member() for _ in texts]
+    for m, t in zip(members, texts):
+        m.reset(t)
+    members[0].on_prefill(texts[0][:-1])  # the others catch up when asked
+    contexts = [DraftContext(t, 3, SamplingParams(), torch.Generator()) for t in texts]
+    for rows in (members, members[:2]):  # three rows, then two (the row bucket of 2)
+        drafts = group.propose_rows(rows, contexts[: len(rows)])
+        for t, c, d in zip(texts, contexts, drafts):
+            one = DraftModelDrafter(fast.fork(), VOCAB)
+            one.reset(t)
+            assert d.num_tokens == 3 and d.tokens.tolist() == one.propose(c).tokens.tolist()
+        for m in rows:
+            m.on_verified(1, [])  # keep one drafted token, as if one was accepted
+        texts = [torch.cat([t, d.tokens[:1], torch.tensor([7])]) for t, d in zip(texts, drafts)] + texts[len(rows):]
+        contexts = [DraftContext(t, 3, SamplingParams(), torch.Generator()) for t in texts]
+    assert {key for key in group.rows._step.seen if len(key) == 2} == seen  # (the one-row draft's are (tokens,))

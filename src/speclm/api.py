@@ -25,6 +25,7 @@ from .engine import generate_tokens
 from .errors import SpeclmError
 from .models import LoadedModel, load_model
 from .models.base import CausalLM
+from .models.compiled import CompiledCausalLM
 from .models.hf import HFCausalLM
 from .models.loading import resolve_model_path
 from .sampling import SamplingParams
@@ -210,9 +211,9 @@ class LLM:
         drafter of it for each row of a batch (speclm.engine): ``factory(handle)`` gets the
         row's own target handle (self-drafting runs the target's layers on that row's cache) and
         shares every loaded weight (draft models, trained heads) with the drafters before it.
-        With ``max_batch`` > 1, chain drafts of an eager-torch draft model come from one group
-        of ``max_batch`` rows that drafts every row in one forward per depth
-        (drafters/draft_rows.py)."""
+        With ``max_batch`` > 1, chain drafts of a draft model on eager torch or the compiled
+        path (the quantized self-draft's among them) come from one group of ``max_batch`` rows
+        that drafts every row in one forward per depth (drafters/draft_rows.py)."""
         spec = self._drafter_spec(speculative_model, draft_p_min, ngram_min, ngram_max, async_draft,
                                   async_fanout)
         k = KINDS[spec.name].default_k if num_speculative_tokens is None else num_speculative_tokens
@@ -227,7 +228,7 @@ class LLM:
             if path not in loaded:
                 loaded[path] = make() if make is not None else self._load_draft_backend(path)
             backend = loaded[path]
-            if max_batch > 1 and tree is None and type(backend) is HFCausalLM:
+            if max_batch > 1 and tree is None and (type(backend) is HFCausalLM or isinstance(backend, CompiledCausalLM)):
                 if (path, p_min) not in groups:
                     try:
                         groups[path, p_min] = DraftRows(backend, self.target.vocab_size, max_batch, p_min)

@@ -2,9 +2,10 @@
 
 Serving B requests with a draft model one row at a time costs B draft forwards per depth, each
 of one token: on a CPU that is B small matrix products where one of B rows costs little more
-than one. :class:`DraftRows` holds the draft model's rows in one ragged cache (the eager-torch
-:class:`~speclm.models.rows.RaggedRows` the target uses) and drafts the rows the engine asks
-for together: a catch-up forward for rows that have unseen committed tokens beyond the pending
+than one. :class:`DraftRows` holds the draft model's rows in the batched form a target of its
+backend would decode through (models/rows.py ``make_rows``: eager torch's ragged cache, or the
+compiled path's batched static cache, whose one-token graphs for every rows bucket it compiles
+when built) and drafts the rows the engine asks for together: a catch-up forward for rows that have unseen committed tokens beyond the pending
 one (rounds that were not drafted), one forward of every row's pending token, then one forward
 per depth of every row's newest draft token.
 
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpeclmError
-from ..models.rows import RaggedRows, padded_groups
+from ..models.rows import SlotRows, make_rows, padded_groups
 from .base import Draft, DraftContext
 from .draft_model import draft_chains, fit_vocab
 
@@ -40,7 +41,13 @@ class DraftRows:
     def __init__(self, draft, target_vocab_size: int, num_slots: int, p_min: float = 0.0) -> None:
         if not 0.0 <= p_min < 1.0:
             raise SpeclmError(f"draft p_min must be in [0, 1), got {p_min}")
-        self.rows = RaggedRows(draft, num_slots)  # raises for attention it cannot batch
+        self.rows = make_rows(draft, num_slots)
+        if isinstance(self.rows, SlotRows):  # one handle per row: a draft model per row does that
+            raise SpeclmError("this draft model has no batched rows (eager torch's ragged cache or "
+                              "the compiled path's batched static cache)")
+        warm = getattr(self.rows, "warmup", None)
+        if callable(warm):  # the compiled path: a graph per rows bucket for one-token feeds
+            warm(0)  # (the depth steps); catch-ups and prompt chunks run eagerly
         self.target_vocab_size = target_vocab_size
         self.p_min = p_min
         self.max_context = draft.max_context

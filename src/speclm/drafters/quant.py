@@ -19,7 +19,9 @@ What the draft is, by the target's backend:
 
 The draft then drafts exactly as a draft model does (:class:`~.draft_model.DraftModelDrafter`:
 chains, ``p_min``, token trees, asynchronous drafting); the rows of a server share one loaded
-copy and fork its cache per row (api ``row_drafters``).
+copy: on the torch backends their chains come from one batched group that drafts every row in
+one forward per depth (drafters/draft_rows.py), otherwise each row forks the copy's cache (api
+``row_drafters``).
 """
 
 from __future__ import annotations
