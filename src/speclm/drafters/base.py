@@ -32,8 +32,8 @@ Optional members, looked up with ``getattr`` so that a drafter without them cost
 - ``on_prefill(held)``: called after each chunk of the prompt the target prefills, with the
   prompt tokens its cache now holds (``[n]``; all but the pending token at the end). A drafter
   with a cache of its own prefills the same chunk here rather than the whole prompt in ``reset``.
-  The engine skips it while a batch of several rows runs plain steps (the drafters sit out), so
-  such a drafter must catch up on whatever it missed when it is next asked to propose.
+  The engine skips it while the batch policy finds that no draft pays at the batch's size (the
+  drafters sit out), so such a drafter catches up on whatever it missed when next asked to propose.
 - ``finish()``: called when a request ends, however it ends (a drafter with worker threads
   stops them here, so that none outlives the request).
 - ``report() -> dict``: a few figures about the request that just ended (which drafter an

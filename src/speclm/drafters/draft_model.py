@@ -192,7 +192,7 @@ class DraftModelDrafter:
     def reset(self, prompt_ids: torch.Tensor) -> None:
         """Start a request with an empty draft cache: the prompt comes by :meth:`on_prefill`,
         chunk by chunk as the target prefills it (counted as prefill), or, where the engine
-        skips that (a busy batch running plain steps), in the first :meth:`propose`."""
+        skips that (a batch whose drafters sit out: speclm.engine), in the first :meth:`propose`."""
         self.model.reset()
         self._synced = 0
         self._round_start = 0

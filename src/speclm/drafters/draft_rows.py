@@ -5,9 +5,9 @@ of one token: on a CPU that is B small matrix products where one of B rows costs
 than one. :class:`DraftRows` holds the draft model's rows in the batched form a target of its
 backend would decode through (models/rows.py ``make_rows``: eager torch's ragged cache, or the
 compiled path's batched static cache, whose one-token graphs for every rows bucket it compiles
-when built) and drafts the rows the engine asks for together: a catch-up forward for rows that have unseen committed tokens beyond the pending
-one (rounds that were not drafted), one forward of every row's pending token, then one forward
-per depth of every row's newest draft token.
+when built) and drafts the rows the engine asks for together: a catch-up forward for rows that
+have unseen committed tokens beyond the pending one (rounds that were not drafted), one forward
+of every row's pending token, then one forward per depth of every row's newest draft token.
 
 Each request gets a :class:`DraftRowsMember`, an ordinary drafter (reset / propose /
 on_verified / finish) that owns a slot of the group while its request runs. Its prompt enters
@@ -136,11 +136,10 @@ class DraftRows:
         unseen = [ctx.token_ids[m.synced :] for m, ctx in zip(members, ctxs)]  # >= 1 each
         # rounds that were not drafted (or a prompt the engine did not prefill): catch up on
         # all but the pending token, rows behind by similar counts in one padded forward
-        behind = [(m, len(u) - 1, u) for m, u in zip(members, unseen) if len(u) > 1]
-        for group in padded_groups([(m, b) for m, b, _ in behind]):
+        missed = {id(m): u[:-1] for m, u in zip(members, unseen) if len(u) > 1}
+        for group in padded_groups([(m, len(missed[id(m)])) for m in members if id(m) in missed]):
             width = max(b for _, b in group)
-            unseen_of = {id(m): u for m, _, u in behind}
-            fed = torch.stack([F.pad(unseen_of[id(m)][:-1], (0, width - b)) for m, b in group])  # [G, width]
+            fed = torch.stack([F.pad(missed[id(m)], (0, width - b)) for m, b in group])  # [G, width]
             first = group[0][0].slot
             self.rows.forward(range(first, first + len(group)), fed, [b for _, b in group], logits=False)
             for m, b in group:
