@@ -231,6 +231,21 @@ def test_quantized_linear_layers(dtype):
             assert float((out.float() - ref).norm() / ref.norm()) < tol, make
 
 
+def test_rounded_layers_multiply_bfloat16_on_cpu():
+    """PyTorch's CPU weight-only kernels loop scalar over float32 activations (10-50x slower):
+    a float32 model's rounded layers multiply in bfloat16 there and hand back float32 rows."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 48)
+    x = torch.randn(3, 128)
+    with torch.no_grad():
+        for layer in (Int8Linear(linear), Int4Linear.from_linear(linear)):
+            stored = layer.scales if isinstance(layer, Int8Linear) else layer.scales_and_zeros
+            assert stored.dtype == torch.bfloat16, type(layer)
+            out = layer(x)
+            assert out.dtype == torch.float32
+            torch.testing.assert_close(out, layer(x.bfloat16()).float(), rtol=0, atol=0)
+
+
 def test_bfloat16_step_keeps_float32_logits(target32):
     fast = make_compiled(target32, EOS, dtype=torch.bfloat16, buckets=(1, 4), capacities=(264,),
                          compile_backend="aot_eager")

@@ -42,7 +42,8 @@ def add_backend_flags(g: argparse._ArgumentGroup) -> None:
     # models/quantize.py CHOICES, spelled out: importing the models here would load transformers
     g.add_argument("--quantize", choices=["int8", "int4", "gguf"], default=None,
                    help="weight-only quantized linear layers on the torch fast path: int8 or int4 "
-                        "round the float weights (int4 in groups of up to 128); gguf runs a GGUF "
+                        "round the float weights (int4 in groups of up to 128; on a CPU they "
+                        "multiply bfloat16 activations, PyTorch's only fast form); gguf runs a GGUF "
                         "model's own Q4_0/Q4_1/Q8_0 blocks as the file stores them (groups of 32, "
                         "the file's scales and minimums; no second rounding), other layers in the "
                         "compute dtype")

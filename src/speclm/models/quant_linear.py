@@ -6,6 +6,14 @@
   from codes rounded here (:meth:`Int4Linear.from_linear`) or given (a GGUF file's own blocks,
   models/gguf_int4.py).
 
+On a CPU, PyTorch's weight-only kernels are vectorized for bfloat16 activations only: float32
+(and float16) rows take a scalar loop, 5-50x slower (a 262k-row output head: 80 ms a token
+against 16 ms in bfloat16, docs/benchmarks.md "Weight-only kernels in float32"). So a layer
+rounded here (:class:`Int8Linear`, :meth:`Int4Linear.from_linear`) of a float32 model on a CPU
+multiplies its activations in bfloat16 and returns its rows in the model's dtype
+(:func:`kernel_dtype`); its weights are rounded to 8 or 4 bits anyway. A layer on a GGUF file's
+own blocks keeps the model's dtype, so that it computes the file's weights.
+
 Which layers get swapped, and how a model is copied for it: models/quantize.py.
 """
 
@@ -17,8 +25,19 @@ from torch import nn
 from ..errors import SpeclmError
 
 
+def kernel_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The activations' dtype a rounded int8/int4 layer of a ``dtype`` model on ``device``
+    multiplies in: bfloat16 on a CPU (the kernels' only vectorized form there), else ``dtype``."""
+    return torch.bfloat16 if torch.device(device).type == "cpu" else dtype
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 class Int8Linear(nn.Module):
-    """y = x @ (w_int8 * scale[:, None]).T + bias, with w_int8 [N, K] and one scale per row."""
+    """y = x @ (w_int8 * scale[:, None]).T + bias, with w_int8 [N, K] and one scale per row;
+    x multiplied in :func:`kernel_dtype`, y in x's dtype."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
@@ -28,16 +47,16 @@ class Int8Linear(nn.Module):
         scale = wf.abs().amax(dim=1).clamp(min=1e-8) / 127.0  # [N]
         q = torch.clamp(torch.round(wf / scale[:, None]), -127, 127).to(torch.int8)
         self.register_buffer("weight_int8", q.contiguous())
-        self.register_buffer("scales", scale.to(w.dtype))
+        # (converting the scales inside a compiled graph trips inductor's int8 lowering: keep
+        # them in the dtype the kernel multiplies in)
+        self.register_buffer("scales", scale.to(kernel_dtype(w.dtype, w.device)))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        # (converting the scales inside a compiled graph trips inductor's int8 lowering: keep
-        # them in the activations' dtype, as quantize_weights leaves them)
-        scales = self.scales if self.scales.dtype == x.dtype else self.scales.to(x.dtype)
-        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]), self.weight_int8, scales)
-        y = y.view(*shape[:-1], self.out_features)
+        shape = x.shape  # [..., K]
+        y = torch._weight_int8pack_mm(_as(x.reshape(-1, shape[-1]), self.scales.dtype), self.weight_int8,
+                                      self.scales)  # [M, N]
+        y = _as(y, x.dtype).view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -72,6 +91,8 @@ class Int4Linear(nn.Module):
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
                  bias: torch.Tensor | None, dtype: torch.dtype, inner_k_tiles: int = 8) -> None:
+        """``dtype``: the dtype the kernel multiplies in on a CPU (its scales and zeros are
+        stored in it; activations of another dtype are cast to it and back)."""
         super().__init__()
         n, k = codes.shape  # codes [N, K] int 0..15; scale, minimum [N, K/g] float32
         self.in_features, self.out_features = k, n
@@ -105,7 +126,7 @@ class Int4Linear(nn.Module):
         """Round a float layer's weights to int4 in groups of 128, 64 or 32 inputs."""
         w = linear.weight.detach()
         codes, scale, minimum = int4_codes(w, _group_size(linear.in_features))
-        return cls(codes, scale, minimum, linear.bias, w.dtype)
+        return cls(codes, scale, minimum, linear.bias, kernel_dtype(w.dtype, w.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -115,8 +136,8 @@ class Int4Linear(nn.Module):
                                           self.scales_and_zeros).to(x.dtype)
         else:
             sz = self.scales_and_zeros
-            y = torch._weight_int4pack_mm_for_cpu(x2, self.weight_int4, self.group_size,
-                                                  sz if sz.dtype == x.dtype else sz.to(x.dtype))
+            y = _as(torch._weight_int4pack_mm_for_cpu(_as(x2, sz.dtype), self.weight_int4, self.group_size, sz),
+                    x.dtype)
         if y.shape[-1] != self.out_features:  # padded rows
             y = y[:, : self.out_features]
         y = y.reshape(*shape[:-1], self.out_features)
