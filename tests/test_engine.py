@@ -230,7 +230,7 @@ def test_a_row_joining_a_plain_batch_prefills_its_draft_when_first_asked(target,
     alone = drive(engine, {0: [("c", reqs[2], params)]})["c"]
     assert alone[0] == solo and alone[2].drafted_tokens > 0 and fed[0] > 0
     engine, fed = setup(2)
-    engine.batch_policy.drafting_pays = lambda rows, alphas, k: rows < 3  # a busy batch sits out
+    engine._drafters_sit_out = lambda: len(engine.running) >= 3  # a busy batch sits out
     out = drive(engine, {0: [("a", reqs[0], params), ("b", reqs[1], params)], 2: [("c", reqs[2], params)]})
     assert out["c"][0] == solo and fed[0] == 0
     assert (out["c"][2].drafted_tokens, out["c"][2].accepted_tokens) == (alone[2].drafted_tokens,

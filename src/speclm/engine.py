@@ -51,7 +51,7 @@ from .drafters.base import (
 from .errors import SpeclmError
 from .models.base import CausalLM
 from .models.rows import RowsOutput, SlotRows, TargetRows, padded_groups
-from .proposals import Proposals
+from .proposals import Proposals, row_alphas
 from .sampling import SamplingParams, position_noise
 from .sequence import Sequence
 from .slots import arrange
@@ -259,8 +259,7 @@ class Engine:
         rows = len(self.running)
         if rows < 2 or self.batch_policy is None:
             return False
-        alphas = [s.policy.alpha if s.policy is not None else s.alpha for s in self.running]
-        return not self.batch_policy.drafting_pays(rows, alphas, self.draft_length.draft_max)
+        return not self.batch_policy.drafting_pays(rows, row_alphas(self.running), self.draft_length.draft_max)
 
     def _decode(self, batch: list[Sequence], report: StepReport) -> list[SeqOutput]:
         t0 = time.perf_counter()

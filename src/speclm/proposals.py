@@ -118,17 +118,17 @@ class Proposals:
             return True  # (no drafters: nothing to skip)
         if any(s.grammar is not None for s in batch):
             return True
-        return self.batch_policy.worth_asking(len(batch), _alphas(batch), self.draft_length.draft_max)
+        return self.batch_policy.worth_asking(len(batch), row_alphas(batch), self.draft_length.draft_max)
 
     def _cap(self, batch: list[Sequence], drafts: list[Draft]) -> list[Draft]:
         """With several rows, cap deterministic chains by the batch's measured step cost.
         Cutting a deterministic chain is lossless; sampled drafts and trees keep theirs whole
         (an unseeded row's random draws follow its draft's shape)."""
         fixed = [d.q_draft is not None or d.tree is not None for d in drafts]
-        cap = self.batch_policy.choose([d.depth for d in drafts], _alphas(batch), fixed)
+        cap = self.batch_policy.choose([d.depth for d in drafts], row_alphas(batch), fixed)
         return [d if f or d.num_tokens <= cap else Draft(d.tokens[:cap]) for d, f in zip(drafts, fixed)]
 
 
-def _alphas(batch: list[Sequence]) -> list[float]:
+def row_alphas(batch: list[Sequence]) -> list[float]:
     """Each row's measured acceptance, as the batch policy reads it."""
     return [s.policy.alpha if s.policy is not None else s.alpha for s in batch]

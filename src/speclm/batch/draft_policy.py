@@ -148,9 +148,7 @@ class BatchDraftPolicy:
         False is what :meth:`choose` would decide after drafting, and the drafters need not be
         asked: a busy server whose steps run plain saves every row's drafting work.
         A False counts as a plain step; when a probe is due the answer is True."""
-        if not self.config.adaptive or draft_max < 1:
-            return True
-        if self._best([draft_max] * batch, alphas, [False] * batch, drafting=True) > 0:
+        if self.drafting_pays(batch, alphas, draft_max):
             return True
         if self._probe_due(batch, self._plain_streak + 1):
             return True  # choose() runs the probe on the real drafts
