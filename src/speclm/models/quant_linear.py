@@ -31,10 +31,6 @@ def kernel_dtype(dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cpu" else dtype
 
 
-def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return x if x.dtype == dtype else x.to(dtype)
-
-
 class Int8Linear(nn.Module):
     """y = x @ (w_int8 * scale[:, None]).T + bias, with w_int8 [N, K] and one scale per row;
     x multiplied in :func:`kernel_dtype`, y in x's dtype."""
@@ -54,9 +50,9 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape  # [..., K]
-        y = torch._weight_int8pack_mm(_as(x.reshape(-1, shape[-1]), self.scales.dtype), self.weight_int8,
-                                      self.scales)  # [M, N]
-        y = _as(y, x.dtype).view(*shape[:-1], self.out_features)
+        y = torch._weight_int8pack_mm(x.reshape(-1, shape[-1]).to(self.scales.dtype), self.weight_int8,
+                                      self.scales)  # [M, N]; .to() is a no-op at the same dtype
+        y = y.to(x.dtype).view(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
@@ -136,8 +132,8 @@ class Int4Linear(nn.Module):
                                           self.scales_and_zeros).to(x.dtype)
         else:
             sz = self.scales_and_zeros
-            y = _as(torch._weight_int4pack_mm_for_cpu(_as(x2, sz.dtype), self.weight_int4, self.group_size, sz),
-                    x.dtype)
+            y = torch._weight_int4pack_mm_for_cpu(x2.to(sz.dtype), self.weight_int4, self.group_size,
+                                                  sz).to(x.dtype)
         if y.shape[-1] != self.out_features:  # padded rows
             y = y[:, : self.out_features]
         y = y.reshape(*shape[:-1], self.out_features)
