@@ -279,6 +279,8 @@ def test_step_cost_model_interpolates_and_extrapolates():
     assert cost.estimate(24) == pytest.approx(0.03)
     assert cost.estimate(84) == pytest.approx(0.09)
     assert cost.estimate(2) == 0.01
+    cost.observe(48, 0.09)  # one slow step just past the last: the slope is the whole range's
+    assert cost.estimate(92) == pytest.approx(0.17)  # (the last two sizes: 0.53)
 
 
 def test_policy_shrinks_the_draft_as_verification_gets_expensive():
@@ -507,3 +509,12 @@ def test_policy_counts_what_drafting_costs_before_asking():
         picks = [p.choose([8] * 4, [0.2] * 4) for _ in range(400)]  # plain wins at alpha 0.2
         streaks.append(next(i for i, k in enumerate(picks) if k))
     assert streaks[0] == 4 and 200 <= streaks[1] <= 206  # 0.02 s: 5 plain steps (0.2 s); 0.82 s: ~205 (8.2 s)
+    # rows that sat out catch up first: that is measured apart, and prices the probe alone
+    caught_up = BatchDraftPolicy(probing)
+    caught_up.update(4, 1, 0.040)
+    caught_up.update(4, 9, 0.120)
+    caught_up.update(4, 3, 0.060)
+    caught_up.update_drafting(0.0008, 8, catch_up_s=0.8)
+    assert caught_up.draft_s_per_token == pytest.approx(0.0001)
+    picks = [caught_up.choose([8] * 4, [0.2] * 4) for _ in range(400)]
+    assert 200 <= next(i for i, k in enumerate(picks) if k) <= 206

@@ -151,3 +151,32 @@ def test_a_seeded_request_stops_drafting_where_it_cannot_pay_and_keeps_its_token
                                               draft_length=config, cost_model=prior) for t in out.tokens]
         assert tokens == plain and len(tokens) == 60
         assert 0 < len(drafter.asked) < 15  # the first rounds draft, then a probe every 8 plain rounds
+
+
+def test_a_first_round_drafts_what_keeps_the_first_token_from_waiting():
+    """A row's first round may delay its first token by at most half a plain step of drafting,
+    where the drafting time is known from the engine's earlier rows; unknown, or in fixed mode,
+    K stands. The acceptance measured elsewhere starts the row's estimate."""
+    config = DraftLengthConfig(draft_max=8, adaptive=True)
+    fresh = DraftLengthPolicy(config)
+    fresh.update(0, 0, 0.0, 0.1)  # a plain step: 0.1 s
+    assert fresh.first_round(6) == 6  # the drafter's cost is not known yet
+    costly, cheap = DraftLengthPolicy(config), DraftLengthPolicy(config)
+    for policy in (costly, cheap):
+        policy.update(0, 0, 0.0, 0.1)
+    costly.start_from(0.9, t_draft=0.02)  # 20 ms a token: 2 tokens fit in 50 ms
+    cheap.start_from(0.9, t_draft=0.0001)  # prompt lookup
+    assert costly.alpha == cheap.alpha == 0.9
+    assert (costly.first_round(6), cheap.first_round(6)) == (2, 6)
+    too_slow = DraftLengthPolicy(config)
+    too_slow.update(0, 0, 0.0, 0.1)
+    too_slow.start_from(0.9, t_draft=0.08)
+    assert too_slow.first_round(6) == 0
+    parallel = DraftLengthPolicy(config, parallel=4)
+    parallel.update(0, 0, 0.0, 0.1)
+    parallel.start_from(0.9, t_draft=0.04)  # one head forward per round
+    assert parallel.first_round(4) == 4
+    fixed = DraftLengthPolicy(DraftLengthConfig(draft_max=8, adaptive=False))
+    fixed.update(0, 0, 0.0, 0.1)
+    fixed.start_from(0.9, t_draft=0.08)
+    assert fixed.first_round(8) == 8  # fixed mode drafts draft_max every round

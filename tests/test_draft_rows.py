@@ -58,6 +58,26 @@ def test_refusals(draft):
         DraftRows(draft, VOCAB, 2, p_min=1.0)
 
 
+def test_a_catch_up_on_missed_rounds_is_reported_apart(draft):
+    """Rows in step feed at most their last accepted token before the pending one: nothing to
+    report. A row that was not prefilled, or sat out rounds, feeds what it missed first: the
+    group reports the tokens and the seconds, which the engine keeps out of drafting's cost
+    per token."""
+    group = DraftRows(draft, VOCAB, 2)
+    fresh, steady = group.member(), group.member()
+    fresh.reset(torch.tensor([1, 2, 3, 4, 5]))  # its prompt never fed: it catches up when asked
+    steady.reset(torch.tensor([6, 7, 8]))
+    steady.on_prefill(torch.tensor([6, 7]))
+    group.propose_rows([steady], [ctx([6, 7, 8], k=2)])
+    assert (group.catch_up_s, group.caught_up) == (0.0, 0)
+    steady.on_verified(0, [9])  # nothing accepted, 9 recovered
+    drafted = group.propose_rows([fresh, steady], [ctx([1, 2, 3, 4, 5, 6], k=2), ctx([6, 7, 8, 9], k=2)])
+    assert group.caught_up == 5 and group.catch_up_s > 0  # fresh fed 1..5 before its pending 6
+    fresh.on_verified(2, [int(t) for t in drafted[0].tokens] + [9])  # all accepted, plus the bonus
+    group.propose_rows([fresh], [ctx([1, 2, 3, 4, 5, 6, *drafted[0].tokens.tolist(), 9], k=2)])
+    assert (group.catch_up_s, group.caught_up) == (0.0, 0)  # in step: the last draft token only
+
+
 def test_a_row_past_the_drafts_context_drafts_nothing(draft):
     group = DraftRows(draft, VOCAB, 2)
     near, far = group.member(), group.member()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from speclm.cost_model import CostModel
-from speclm.draft_length import DraftLengthConfig
+from speclm.draft_length import DraftLengthConfig, DraftLengthPolicy
 from speclm.drafters import DraftModelDrafter, NgramDrafter
 from speclm.drafters.recycle import RecycleDrafter
 from speclm.drafters.suffix import SuffixDrafter
@@ -235,6 +235,72 @@ def test_a_row_joining_a_plain_batch_prefills_its_draft_when_first_asked(target,
     assert out["c"][0] == solo and fed[0] == 0
     assert (out["c"][2].drafted_tokens, out["c"][2].accepted_tokens) == (alone[2].drafted_tokens,
                                                                          alone[2].accepted_tokens)
+
+
+def test_a_joining_row_starts_from_the_acceptance_the_engine_has_seen(target):
+    """A request whose drafter the factory makes starts its draft-length policy from the
+    acceptance measured on the engine's earlier rows (the batch policy reads it before the row
+    has drafted once); a request that brings its own drafter starts from the blind prior."""
+    lm = backend(target)
+    draft_lm = backend(noisy_copy(target, 0.08, seed=3))
+    reqs = prompts(3, seed=23)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    config = DraftLengthConfig(3, 0, adaptive=False)
+    engine = Engine(make_rows(lm, 2), drafter_factory=lambda h: DraftModelDrafter(draft_lm.fork(), VOCAB),
+                    draft_length=config)
+    assert engine.seen_alpha is None
+    first = engine.add("a", reqs[0], params)
+    while engine.has_work:
+        engine.step()
+    prior = DraftLengthPolicy(config).alpha
+    assert first.stats.drafted_tokens > first.stats.accepted_tokens > 0
+    assert engine.seen_alpha is not None and engine.seen_alpha != pytest.approx(prior)
+    joining = engine.add("b", reqs[1], params)
+    own = engine.add("c", reqs[2], params, drafter=DraftModelDrafter(draft_lm.fork(), VOCAB))
+    engine._admit()  # both join (before either drafts)
+    assert joining.policy.alpha == joining.alpha == engine.seen_alpha
+    assert joining.policy.t_draft == engine.seen_t_draft == first.policy.t_draft > 0
+    assert own.policy.alpha == prior
+
+
+@pytest.mark.parametrize("per_token_s", [0.01, 0.0])
+def test_a_joining_rows_first_round_waits_only_for_a_cheap_draft(target, per_token_s):
+    """With the step costs known (the server's cost model), a request joining after rows whose
+    drafter took 10 ms a token (a millisecond step: the first token may wait 1 ms) starts with a
+    plain step; after a drafter that costs nothing it drafts from its first step."""
+    import time
+
+    from .test_batch import oracle_factory
+
+    lm = backend(target)
+    reqs = prompts(2, seed=29)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    continuations = {tuple(p.tolist()): run(lm, p, params)[0] for p in reqs}
+    make = oracle_factory(1.0, continuations)  # drafts the target's own tokens: always worth asking
+    asked = []  # (request's prompt length, committed tokens) at each propose
+
+    def factory(handle):
+        drafter = make()
+        propose = drafter.propose
+
+        def timed(ctx):
+            asked.append((drafter._prompt_len, ctx.token_ids.shape[0]))
+            time.sleep(per_token_s * ctx.max_tokens)
+            return propose(ctx)
+
+        drafter.propose = timed
+        return drafter
+
+    prior = CostModel([1, 2, 4], [0.002, 0.0022, 0.0025])  # about the tiny model's steps
+    engine = Engine(make_rows(lm, 2), drafter_factory=factory, cost_prior=prior,
+                    draft_length=DraftLengthConfig(3, 0, adaptive=True))
+    first = drive(engine, {0: [("a", reqs[0], params)]})
+    assert first["a"][0] == continuations[tuple(reqs[0].tolist())]
+    assert (len(reqs[0]), len(reqs[0])) in asked  # nothing known yet: the first round drafts
+    asked.clear()
+    second = drive(engine, {0: [("b", reqs[1], params)]})
+    assert second["b"][0] == continuations[tuple(reqs[1].tolist())]
+    assert asked and ((len(reqs[1]), len(reqs[1])) in asked) == (per_token_s == 0.0)
 
 
 def test_seeded_sampled_layer_skip_rows_equal_solo(target):

@@ -129,13 +129,14 @@ def test_batched_rows_draft_as_each_row_alone_in_one_forward_per_depth(lm):
     """Three of four ragged rows draft together (one is skipped over inside the span): every
     row's chain equals the single-row drafter's on its own cache, greedy and seeded sampled;
     one skipping forward per depth for all rows; the cache is left as it was."""
-    from speclm.drafters.layer_skip import LayerSkipMember, layer_skip_drafter
+    from speclm.drafters.layer_skip import layer_skip_drafter
+    from speclm.drafters.shared_cache import SharedCacheMember
 
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, VOCAB, (n,), generator=gen) for n in (5, 9, 7, 12)]
     rows = _prefilled_rows(lm, prompts)
     members = [layer_skip_drafter(rows.handle(slot), [2, 3]) for slot in range(4)]
-    assert all(isinstance(m, LayerSkipMember) for m in members)
+    assert all(isinstance(m, SharedCacheMember) for m in members)
     assert len({id(m.batch_group) for m in members}) == 1  # one group per cache and layer set
     asked, limits = [0, 1, 3], [4, 2, 3]
     calls = []

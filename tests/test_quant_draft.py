@@ -159,6 +159,90 @@ def test_sampling_matches_target_distribution():
     assert_matches_distribution(counts, expected)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_batched_rows_draft_on_the_targets_cache(bits):
+    """On eager torch's batched rows (a server), the copy's chains run on the target's own
+    cache: every row's member is in one group over one copy, the copy never sees a prompt (each
+    of its forwards feeds one token per row: no draft prefill, no catch-up), the drafts are the
+    copy's (it really runs), and greedy and seeded sampled rows give plain decoding's tokens."""
+    from speclm.drafters.quant import shared_cache_member
+    from speclm.drafters.shared_cache import SharedCacheMember
+    from speclm.engine import Engine
+    from speclm.models.rows import make_rows
+
+    from .test_batch import drive
+
+    lm = backend(tiny_model(VOCAB, seed=10, seed_layers=4).float())
+    key, make = quant_draft(lm, bits)
+    built = []
+    members = []
+
+    def factory(handle):
+        member = shared_cache_member(handle, key, lambda: built.append(1) or make(), 0.0)
+        members.append(member)
+        return member
+
+    reqs = prompts(5, seed=21)
+    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=20, seed=60 + i, ignore_eos=True)
+              if i % 2 else SamplingParams(max_tokens=20, ignore_eos=True) for i in range(len(reqs))]
+    solo = [run(lm, p, sp, gen=sp.make_generator())[0] for p, sp in zip(reqs, params)]
+    engine = Engine(make_rows(lm, 4), drafter_factory=factory, draft_length=DraftLengthConfig(3, 0, adaptive=False))
+    engine.add("warm", reqs[0], params[0])  # the group (and its copy) exists once a row has joined
+    engine.step()
+    group = members[0].batch_group
+    widths = []
+    hook = group.model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    engine.abort("warm")
+    out = drive(engine, {0: [(str(i), p, sp) for i, (p, sp) in enumerate(zip(reqs, params))]})
+    hook.remove()
+    assert [out[str(i)][0] for i in range(len(reqs))] == solo
+    assert built == [1] and all(isinstance(m, SharedCacheMember) and m.batch_group is group for m in members)
+    assert widths and set(widths) == {1}  # one token per row per forward: the prompts are the target's
+    assert any(isinstance(m, Int8Linear if bits == 8 else Int4Linear) for m in group.model.modules())
+    drafted = sum(out[str(i)][2].drafted_tokens for i in range(len(reqs)))
+    accepted = sum(out[str(i)][2].accepted_tokens for i in range(len(reqs)))
+    assert drafted > 0 and accepted > 0
+
+
+def test_batched_rows_on_the_targets_cache_match_the_target_distribution():
+    """Sampled chains of the copy on the target's cache, verified in batches of 24 ragged rows
+    (seeded and unseeded): each kind of row follows the target's exact distribution."""
+    from speclm.drafters.quant import shared_cache_member
+    from speclm.engine import Engine
+    from speclm.models.rows import make_rows
+
+    from .test_batch import assert_ragged_rows_match
+    from .test_lossless import exact_sequence_distribution
+
+    vocab, length, n = 5, 3, 1500
+    target_model, _, params, prompt, _ = sampling_setup(vocab, length)
+    target_model = target_model.float()
+    lm = backend(target_model)
+    expected = exact_sequence_distribution(target_model, prompt, length, params).double()
+    expected /= expected.sum()  # computed in float32
+    key, make = quant_draft(lm, 4)
+    engine = Engine(make_rows(lm, 24), drafter_factory=lambda h: shared_cache_member(h, key, make, 0.0),
+                    draft_length=DraftLengthConfig(2, 0, adaptive=False))
+    assert_ragged_rows_match(engine, params, prompt, n, vocab, expected)
+
+
+def test_no_shared_cache_where_the_draft_cannot_share_it(target):
+    """A single-row target, a float64 target (its copy computes in float32) and ``fast=1`` (a
+    compiled draft on its own cache) keep a draft cache of their own."""
+    from speclm.drafters.quant import shared_cache_member
+    from speclm.models.rows import make_rows
+
+    lm = backend(target)
+    key, make = quant_draft(lm, 8)
+    assert shared_cache_member(lm, key, make, 0.0) is None
+    assert shared_cache_member(make_rows(lm, 2).handle(0), key, make, 0.0) is None
+    lm32 = backend(tiny_model(VOCAB, seed=10, seed_layers=4).float())
+    view = make_rows(lm32, 2).handle(0)
+    assert shared_cache_member(view, key + ":fast", make, 0.0) is None
+    assert shared_cache_member(view, key, lambda: quant_draft(lm32, 8)[1](), 0.0) is not None
+
+
 def test_bad_options_fail_in_one_line(target, model_dirs):
     with pytest.raises(SpeclmError, match="bits=5 is not offered.*torch.*4/8.*llama.cpp.*2/3/4/8"):
         parse_drafter("quant:bits=5")

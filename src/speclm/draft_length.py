@@ -6,10 +6,13 @@ maximises expected tokens per second from measured quantities:
     E[tokens | K] = (1 - alpha^(K+1)) / (1 - alpha)       (Leviathan et al., i.i.d. acceptance)
     cost(K)       = verify(1 + K) + K * t_draft           (verify(1): a plain step; K = 0: no draft)
 
-alpha is an exponential moving average of the per-token acceptance rate and t_draft of the
-measured drafting time per token. A drafter that proposes its whole draft in one forward
-(``parallel_tokens`` = N > 0, speclm.drafters.base) costs about the same per round whatever K
-is, so for it the draft term is t_round (measured per round, not per token) and K <= N;
+alpha is an exponential moving average of the per-token acceptance rate, started as a running
+mean (a row's first rounds weigh 1/2, 1/3, ... against the prior, which counts as one round,
+until the EMA's weight takes over: a blind prior of 0.6 would otherwise take a dozen rounds to
+reach a drafter's 0.95, and a server's rows, drafting only in occasional probes while they do
+not pay, would never get there), and t_draft the measured drafting time per token. A drafter
+that proposes its whole draft in one forward (``parallel_tokens`` = N > 0,
+speclm.drafters.base) costs about the same per round whatever K is, so for it the draft term is t_round (measured per round, not per token) and K <= N;
 charging it per token would make a short round look dear per token and push K lower still.
 ``verify(T)`` comes from the target's measured cost model (speclm.cost_model: seconds per
 forward of T tokens, timed once per model and backend and cached) scaled by a moving average of
@@ -61,6 +64,9 @@ class DraftLengthConfig:
 
 
 PROBE_ALPHA = 0.8  # the acceptance a probe's K is sized for: a draft worth trying, not a sure one
+# A row's first token waits for its first round: drafting may delay it by at most this share of a
+# plain step (a draft model's K forwards doubled a server's time to first token).
+FIRST_ROUND_DELAY = 0.5
 
 
 class DraftLengthPolicy:
@@ -78,12 +84,34 @@ class DraftLengthPolicy:
         self.parallel = parallel
         self.scale = 1.0  # measured / the prior's predicted step time (moving average)
         self.alpha = 0.6  # prior per-token acceptance
+        self._alpha_rounds = 0  # rounds averaged into alpha (the prior counts as one more)
         self.t_plain: float | None = None
         self.t_verify: float | None = None  # seen at all: K may be chosen
         self.t_token: float = 0.0  # a verify's time over a plain step, per drafted token
         self.t_draft: float | None = None  # per drafted token, per round if parallel (None: not yet)
         self._plain_streak = 0
         self._verified_k = 0  # K of the latest verify
+
+    def start_from(self, alpha: float, t_draft: float | None = None) -> None:
+        """Start from what the same drafter measured on the engine's other rows: its acceptance
+        (instead of the blind prior; it weighs as much as the moving average's memory) and its
+        drafting time (per token, or per round for a parallel drafter)."""
+        self.alpha = alpha
+        self._alpha_rounds = round(1 / self._EMA)
+        if t_draft is not None:
+            self.t_draft = t_draft
+
+    def first_round(self, k: int) -> int:
+        """K for a row's first round, whose drafting delays the row's first token: at most what
+        drafts in ``FIRST_ROUND_DELAY`` of a plain step, where the drafting time is known (from
+        the engine's earlier rows). Prompt lookup's or token recycling's drafting costs nearly
+        nothing, so their first round keeps its K; a draft model's K forwards may not."""
+        if not self.config.adaptive or not self.t_draft or not self.knows_cost:
+            return k
+        budget = FIRST_ROUND_DELAY * self.verify_s(0)
+        if self.parallel:
+            return k if self.t_draft <= budget else 0
+        return min(k, int(budget / self.t_draft))
 
     @property
     def knows_cost(self) -> bool:
@@ -151,7 +179,8 @@ class DraftLengthPolicy:
             self.t_token = (1 - w) * self.t_token + w * max(0.0, target_time - self.t_plain) / drafted
         unit = draft_time if self.parallel else draft_time / drafted  # the first draft sets it
         self.t_draft = unit if self.t_draft is None else (1 - w) * self.t_draft + w * unit
-        self.alpha = update_acceptance(self.alpha, drafted, accepted, w)
+        self.alpha = update_acceptance(self.alpha, drafted, accepted, max(w, 1 / (self._alpha_rounds + 2)))
+        self._alpha_rounds += 1
 
 
 def expected_tokens(drafted: int, alpha: float) -> float:

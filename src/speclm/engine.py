@@ -116,6 +116,10 @@ class Engine:
                 BatchDraftConfig(self.draft_length.draft_max, self.draft_length.adaptive), cost_prior,
                 computed=rows.computed)
         self.proposals = Proposals(self.draft_length, self.batch_policy)
+        # acceptance over the rounds of every row whose drafter the factory made (EMA per round):
+        # a joining row starts from it, not from a blind prior (None: nothing verified yet)
+        self.seen_alpha: float | None = None
+        self.seen_t_draft: float | None = None  # the latest such row's drafting time (DraftLengthPolicy.t_draft)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # running[i] lives in slot i; decoding rows first
 
@@ -210,6 +214,9 @@ class Engine:
             if seq.drafter is not None:
                 seq.drafter.reset(seq.committed)
                 seq.policy = DraftLengthPolicy(self.draft_length, self.cost_prior, parallel_tokens(seq.drafter))
+                if not seq.own_drafter and self.seen_alpha is not None:
+                    seq.policy.start_from(self.seen_alpha, self.seen_t_draft)
+                    seq.alpha = self.seen_alpha
         return bool(joining)
 
     def _prefill(self, report: StepReport) -> bool:
@@ -315,10 +322,12 @@ class Engine:
         elapsed = t2 - t1
         if self.batch_policy is not None:
             self.batch_policy.update(len(batch), width, elapsed)
-            if len(batch) > 1 and any(proposed.asked):  # what asking the drafters cost
-                self.batch_policy.update_drafting(t1 - t0, proposed.drafted)
+            if len(batch) > 1 and any(proposed.asked):  # what asking the drafters cost, less a
+                # catch-up on rounds the rows sat out
+                self.batch_policy.update_drafting(t1 - t0 - proposed.catch_up_s, proposed.drafted,
+                                                  proposed.catch_up_s)
         report.batch_size, report.fed_per_row, report.decode_s = len(batch), width, elapsed
-        report.draft_s, report.draft_cap = t1 - t0, width - 1
+        report.draft_s, report.draft_cap, report.catch_up_s = t1 - t0, width - 1, proposed.catch_up_s
         report.policy_plain = report.policy_plain or (width == 1 and report.longest_draft > 0)
         report.judged_per_position = [0] * (width - 1)
         report.accepted_per_position = [0] * (width - 1)
@@ -332,8 +341,13 @@ class Engine:
         stats.target_time_s += report.decode_s
         stats.record_round(drafted, accepted, draft.depth)
         if seq.policy is not None:
-            seq.policy.update(draft.depth, accepted, report.draft_s, report.decode_s)  # K is a depth
+            # K is a depth; a catch-up on missed rounds is not what drafting K tokens costs
+            seq.policy.update(draft.depth, accepted, report.draft_s - report.catch_up_s, report.decode_s)
         seq.alpha = update_acceptance(seq.alpha, drafted, accepted, 0.2)
+        if drafted and not seq.own_drafter:  # (the first round: the row's own estimate)
+            self.seen_alpha = row_alphas([seq])[0] if self.seen_alpha is None else update_acceptance(
+                self.seen_alpha, drafted, accepted, 0.2)
+            self.seen_t_draft = seq.policy.t_draft if seq.policy is not None else None
         for i in range(min(draft.depth, accepted + 1)):
             report.judged_per_position[i] += 1
         for i in range(accepted):

@@ -32,6 +32,8 @@ class Proposed:
     longest: int  # the deepest draft before the batch cap (0: a plain step)
     skipped: bool  # the batch policy found that no draft could pay: nobody was asked
     drafted: int = 0  # tokens the drafters proposed, over all rows, before the batch cap
+    catch_up_s: float = 0.0  # of the drafting time, what rows behind by missed rounds spent catching up
+    caught_up: int = 0  # tokens those rows fed to catch up
 
 
 class Proposals:
@@ -43,8 +45,9 @@ class Proposals:
 
     def __call__(self, batch: list[Sequence]) -> Proposed:
         worth = self._worth_asking(batch)
+        caught = [0.0, 0]  # catch-up seconds and tokens of the batched groups
         if worth:
-            proposals = self._proposals(batch)
+            proposals = self._proposals(batch, caught)
         else:  # no draft could pay this step: plain, without asking the drafters
             proposals = [(Draft.empty(), False)] * len(batch)
         drafts = [d for d, _ in proposals]
@@ -52,7 +55,7 @@ class Proposals:
         drafted = sum(d.num_tokens for d in drafts)
         if len(batch) > 1 and self.batch_policy is not None and longest:
             drafts = self._cap(batch, drafts)
-        return Proposed(drafts, [a for _, a in proposals], longest, not worth, drafted)
+        return Proposed(drafts, [a for _, a in proposals], longest, not worth, drafted, caught[0], caught[1])
 
     def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
         """The row's draft for this step, and whether its drafter was asked. Under a grammar,
@@ -68,9 +71,10 @@ class Proposals:
             return Draft.empty(), False
         return self._checked(seq, seq.drafter.propose(ctx), ctx.max_tokens), True
 
-    def _proposals(self, batch: list[Sequence]) -> list[tuple[Draft, bool]]:
+    def _proposals(self, batch: list[Sequence], caught: list) -> list[tuple[Draft, bool]]:
         """Each row's draft, and whether its drafter was asked. Rows whose drafters share a
-        ``batch_group`` (a draft model's rows: drafters/draft_rows.py) draft in one call."""
+        ``batch_group`` (a draft model's rows: drafters/draft_rows.py) draft in one call; what
+        a group spent catching rows up is added to ``caught`` ([seconds, tokens])."""
         shared: dict[int, list[int]] = {}
         asks: dict[int, DraftContext | None] = {}
         for b, seq in enumerate(batch):
@@ -83,15 +87,21 @@ class Proposals:
         for rows in shared.values():
             group = batch[rows[0]].drafter.batch_group
             drafts = group.propose_rows([batch[b].drafter for b in rows], [asks[b] for b in rows])
+            caught[0] += getattr(group, "catch_up_s", 0.0)
+            caught[1] += getattr(group, "caught_up", 0)
             for b, draft in zip(rows, drafts):
                 found[b] = self._checked(batch[b], draft, asks[b].max_tokens), True
         return [found[b] if b in found else self._propose(seq) for b, seq in enumerate(batch)]
 
     def _ask(self, seq: Sequence) -> DraftContext | None:
-        """What the row's drafter is asked to draft this step (None: a plain step)."""
+        """What the row's drafter is asked to draft this step (None: a plain step). A row's
+        first round drafts only what keeps its first token from waiting long for the draft
+        (``DraftLengthPolicy.first_round``)."""
         if seq.policy is None:
             return None
         k_max = min(seq.policy.next_k(getattr(seq.drafter, "probing", False)), seq.budget - 1)
+        if seq.generated == 0:
+            k_max = seq.policy.first_round(k_max)
         if k_max <= 0:
             return None
         timed = self.draft_length.adaptive and seq.policy.knows_cost

@@ -38,6 +38,7 @@ class StepReport:
     committed: int = 0  # tokens committed, all rows
     decode_s: float = 0.0  # target forward + verification
     draft_s: float = 0.0
+    catch_up_s: float = 0.0  # of draft_s: batched draft rows catching up on rounds they missed
     prefill_rows: int = 0
     prefill_tokens: int = 0
     prefill_s: float = 0.0

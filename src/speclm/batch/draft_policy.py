@@ -15,10 +15,11 @@ online by :class:`StepCostModel` from the steps the server actually runs: second
 as a function of the tokens it computes, padding included (``computed``: the compiled path runs
 graphs at padded row and token counts, so 3 rows of 2 tokens cost what 4 rows of 4 cost, and
 K = 1 costs what K = 3 costs there), interpolated between measured sizes. Unmeasured larger sizes
-are extrapolated from the measured slope (optimistically flat before there are two points), so
-the policy explores upward once and then settles. When plain steps win, a short draft (K = 2)
-is still tried after ``probe_every`` plain steps, then after twice as many, and so on (up to
-16x), so that a change in acceptance is noticed without paying for wide steps often; and never
+are extrapolated along the slope over the whole measured range (optimistically flat before
+there are two points), so the policy explores upward once and then settles. When plain steps
+win, a short draft (K = 2) is still tried after ``probe_every`` plain steps, then after twice
+as many, and so on (up to 16x), so that a change in acceptance is noticed without paying for
+wide steps often; and never
 before the plain steps since the last probe have run long enough that the probe's extra cost
 (its measured step cost minus a plain step's) is at most ``probe_share`` of their time. A probe
 over 16 rows on a CPU costs several plain steps (16 rows x 4 tokens through every weight), so a
@@ -33,7 +34,9 @@ forward each per depth (a compiled draft of the target's own 4-bit blocks: ~10 m
 Once the drafts exist their cost is spent, so :meth:`~BatchDraftPolicy.choose` caps them by the
 verify's cost alone. A probe's price counts the drafting too: a draft model's rows that sat out
 plain steps first catch up on every token they missed (a prompt's worth each), which on 16 rows
-made a probe cost seconds.
+made a probe cost seconds. That catch-up is measured apart (batched draft rows report it) and
+prices probes only: a one-time cost averaged into the cost per drafted token made drafting look
+several times dearer than it is once the rows are in step.
 """
 
 from __future__ import annotations
@@ -101,7 +104,10 @@ class StepCostModel:
             return secs[lo] + (secs[hi] - secs[lo]) * (tokens - lo) / (hi - lo)
         if len(sizes) == 1:
             return secs[sizes[0]]  # optimistic: explore upward once
-        lo, hi = sizes[-2], sizes[-1]
+        # the slope over the whole measured range: two neighbouring sizes a few tokens apart
+        # (the prior's 6 tokens, a first 8-token step of 4 rows) turn one slow step into a
+        # slope that prices every wider step out, and a size never tried is never measured
+        lo, hi = sizes[0], sizes[-1]
         slope = max(0.0, (secs[hi] - secs[lo]) / (hi - lo))
         return secs[hi] + slope * (tokens - hi)
 
@@ -129,18 +135,26 @@ class BatchDraftPolicy:
         self._plain_streak = 0
         self._probe_interval = config.probe_every
         self._draft_seconds = self._draft_tokens = 0.0  # recent drafting time and tokens (averages)
+        self._catch_up_s = 0.0  # seconds a step spent catching rows up on missed rounds (recent average)
 
     @property
     def draft_s_per_token(self) -> float:
         """Seconds of drafting per token drafted, over recent steps (0 before any)."""
         return self._draft_seconds / self._draft_tokens if self._draft_tokens > 0 else 0.0
 
-    def update_drafting(self, seconds: float, tokens: int) -> None:
+    def update_drafting(self, seconds: float, tokens: int, catch_up_s: float = 0.0) -> None:
         """Record one step's drafting: ``seconds`` spent, ``tokens`` drafted over all rows (a
-        step that drafted nothing still counts its time)."""
+        step that drafted nothing still counts its time); apart from it, ``catch_up_s`` that
+        rows which sat out rounds spent feeding the tokens they missed (their prompts too).
+        That is paid once when drafting resumes, so it prices a probe, not a drafted token:
+        averaged in, one probe's catch-up made drafting look several times dearer than it is,
+        and the rows then sat out for good."""
         e = StepCostModel._EMA
         self._draft_seconds = (1 - e) * self._draft_seconds + e * seconds
         self._draft_tokens = (1 - e) * self._draft_tokens + e * tokens
+        if catch_up_s > 0:
+            old = self._catch_up_s
+            self._catch_up_s = catch_up_s if old == 0.0 else (1 - e) * old + e * catch_up_s
 
     def worth_asking(self, batch: int, alphas: list[float], draft_max: int) -> bool:
         """Before any row drafts: could a cap K > 0 win this step if every row drafted
@@ -196,8 +210,8 @@ class BatchDraftPolicy:
         probe = self.cost.estimate(self._computed(batch, 1 + _PROBE_K))
         if plain is None or probe is None:
             return True
-        # a draft model's probe also drafts (and first catches up on the tokens it missed)
-        drafting = self.draft_s_per_token * batch * _PROBE_K
+        # a draft model's probe also drafts, and first catches its rows up on what they missed
+        drafting = self.draft_s_per_token * batch * _PROBE_K + self._catch_up_s
         return probe - plain + drafting <= self.config.probe_share * streak * plain
 
     def _best(self, draft_lengths: list[int], alphas: list[float], fixed: list[bool],

@@ -74,7 +74,7 @@ class BatchModel:
     @torch.inference_mode()
     def forward(self, rows: slice, token_ids: torch.Tensor, num_logits: int, *,
                 trees: list[TreeMeta | None] | None = None,
-                return_hidden: bool | list[int] = False) -> ForwardOutput:
+                return_hidden: bool | list[int] = False, model: torch.nn.Module | None = None) -> ForwardOutput:
         """Run ``token_ids`` [B, T] (right-padded) on slots ``rows``, each row continuing at its
         cached length L_b. A row with ``trees[b]`` (k nodes) feeds [pending, node_0 ..]: each
         node at RoPE position L_b + its depth, seeing the row's cache, the pending token and its
@@ -85,6 +85,8 @@ class BatchModel:
         Returns logits of each row's last ``num_logits`` fed positions ([B, num_logits, V]) and
         hidden states per layer ([B, T, H]). The rows' lengths are not advanced: the caller
         commits what it keeps (prefill: everything fed; a step: the accepted path).
+        ``model``: run another module of the target's architecture and dtype on this cache
+        instead (a quantized copy of the target that drafts on the target's own keys and values).
         """
         num_rows, num_new = token_ids.shape
         if rows.stop - rows.start != num_rows:
@@ -104,7 +106,7 @@ class BatchModel:
                 positions[b, :width] = tree.positions(root)
                 mask[b, 0, :width, : root + width] = tree.attention_bias(root, self.dtype, self.device)[0, 0]
         layers = None if isinstance(return_hidden, bool) else list(return_hidden)
-        out = self.model(
+        out = (self.model if model is None else model)(
             input_ids=token_ids.to(self.device),
             attention_mask=self._masks(mask, slots, positions, trees),
             position_ids=positions.to(self.device),

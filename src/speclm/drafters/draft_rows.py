@@ -24,6 +24,7 @@ accepted. Token trees and asynchronous drafting stay with ``DraftModelDrafter``.
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -52,6 +53,10 @@ class DraftRows:
         self.p_min = p_min
         self.max_context = draft.max_context
         self._owners: list[weakref.ref | None] = [None] * num_slots  # slot -> member
+        # the last propose_rows' catch-up on rows that missed rounds or their prompt: its
+        # seconds and the tokens fed (0, 0: none). The engine's cost policy keeps this one-time
+        # cost apart from what drafting costs per token once the rows are in step.
+        self.catch_up_s, self.caught_up = 0.0, 0
 
     def member(self) -> DraftRowsMember:
         """A drafter for one request (it takes a slot when its request starts)."""
@@ -120,6 +125,7 @@ class DraftRows:
         limits = [max(0, min(ctx.max_tokens, self.max_context - int(ctx.token_ids.shape[0]) + 1)) for ctx in ctxs]
         live = [b for b, limit in enumerate(limits) if limit > 0]  # the rest: past the draft's context
         drafts = [Draft.empty(ctx.token_ids.device) for ctx in ctxs]
+        self.catch_up_s, self.caught_up = 0.0, 0
         for m in members:
             m.fed_drafts, m.round_start = 0, m.synced  # nothing fed: on_verified keeps the cache
         if live:
@@ -137,6 +143,9 @@ class DraftRows:
         # rounds that were not drafted (or a prompt the engine did not prefill): catch up on
         # all but the pending token, rows behind by similar counts in one padded forward
         missed = {id(m): u[:-1] for m, u in zip(members, unseen) if len(u) > 1}
+        # a row in step has missed at most its last accepted draft token; more is a catch-up
+        lagging = sum(len(t) for t in missed.values() if len(t) > 1)
+        start = _clock(self.rows.device) if lagging else 0.0
         for group in padded_groups([(m, len(missed[id(m)])) for m in members if id(m) in missed]):
             width = max(b for _, b in group)
             fed = torch.stack([F.pad(missed[id(m)], (0, width - b)) for m, b in group])  # [G, width]
@@ -144,6 +153,8 @@ class DraftRows:
             self.rows.forward(range(first, first + len(group)), fed, [b for _, b in group], logits=False)
             for m, b in group:
                 self._grow(m, b)
+        if lagging:
+            self.catch_up_s, self.caught_up = _clock(self.rows.device) - start, lagging
         logits = self._forward(n, torch.stack([u[-1:] for u in unseen]), logits=True)[:, 0]  # [B, V]
         for m in members:
             self._grow(m, 1)
@@ -158,6 +169,13 @@ class DraftRows:
 
         drafts = draft_chains(logits, ctxs, limits, step, self.p_min)
         return [Draft(d.tokens.to(ctx.token_ids.device), d.q_draft) for d, ctx in zip(drafts, ctxs)]
+
+
+def _clock(device: torch.device) -> float:
+    """Now, once the device's queued work is done (a CUDA forward returns before it runs)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 class DraftRowsMember:

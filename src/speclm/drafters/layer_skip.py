@@ -19,26 +19,24 @@ through the same chain loop as a draft model.
 
 **In a batch** (the eager ragged cache, :class:`~speclm.models.rows.RaggedRows`), one
 :class:`LayerSkipRows` group drafts every row with one skipping forward per depth over the rows'
-shared cache: the draft positions are written at each row's own length, kept while drafting and
-dropped afterwards by lowering the lengths again (the ragged cache's rollback is free), so the
-rows' verification finds the cache as the last step left it. :func:`layer_skip_drafter` picks
-the single-row drafter or a member of the batch's group from the handle the engine gives.
+shared cache (drafters/shared_cache.py, the loop it shares with the quantized self-draft).
+:func:`layer_skip_drafter` picks the single-row drafter or a member of the batch's group from
+the handle the engine gives.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import weakref
-
 import torch
 
-from ..errors import CacheContractError, SpeclmError
+from ..errors import SpeclmError
 from ..models.hf import HFCausalLM
 from ..models.layer_subset import LayerSubset, check_skip, decoder_layers, skipping
-from ..models.rows import RaggedRows
+from ..models.rows import RaggedRows, RowsOutput
 from .base import Draft, DraftContext
-from .draft_model import draft_chain, draft_chains
+from .draft_model import draft_chain
+from .shared_cache import SharedCacheRows
 
 
 def early_exit_skip(num_layers: int, exit_after: int) -> tuple[int, ...]:
@@ -112,112 +110,29 @@ def early_exit_drafter(handle, layers: int, p_min: float = 0.0):
     return layer_skip_drafter(handle, early_exit_skip(num_layers, layers), p_min, origin=f"early exit {layers}")
 
 
-class LayerSkipRows:
+class LayerSkipRows(SharedCacheRows):
     """Layer skipping for every row of a batch on the target's ragged cache: per depth, one
     forward of the target minus ``skip`` over the rows asked (one group per cache and layer set;
     see :meth:`of`)."""
 
-    # rows -> {(skip, p_min, origin): group}; a group holds its rows weakly, so that an entry
-    # goes away with the rows it serves
-    _groups: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
     def __init__(self, rows: RaggedRows, skip: Sequence[int], p_min: float = 0.0, origin: str = "given") -> None:
-        if not 0.0 <= p_min < 1.0:
-            raise SpeclmError(f"draft p_min must be in [0, 1), got {p_min}")
-        self._rows = weakref.ref(rows)
+        super().__init__(rows, p_min)
         self.model = rows.target.model
         self.num_layers = len(decoder_layers(self.model))
         self.skip = check_skip(skip, self.num_layers)
-        self.p_min = p_min
         self.origin = origin
 
     @classmethod
     def of(cls, rows: RaggedRows, skip: Sequence[int], p_min: float = 0.0, origin: str = "given") -> LayerSkipRows:
-        """The group of ``rows`` for this layer set, made on first use: the engine drafts the
-        rows whose drafters share a group in one call."""
-        groups = cls._groups.setdefault(rows, {})
-        key = (tuple(sorted(set(skip))), p_min, origin)
-        if key not in groups:
-            groups[key] = cls(rows, skip, p_min, origin)
-        return groups[key]
+        """The group of ``rows`` for this layer set, made on first use."""
+        return cls.group(rows, (tuple(sorted(set(skip))), p_min, origin), lambda: cls(rows, skip, p_min, origin))
 
-    @property
-    def rows(self) -> RaggedRows:
-        rows = self._rows()
-        if rows is None:
-            raise SpeclmError("layer skipping outlived the batched rows it drafted on")
-        return rows
-
-    def member(self) -> LayerSkipMember:
-        return LayerSkipMember(self)
-
-    @torch.inference_mode()
-    def propose_rows(self, members: list[LayerSkipMember], ctxs: list[DraftContext]) -> list[Draft]:
-        """Draft for the rows in ``ctxs[b].slot``, each holding ``token_ids[:-1]`` in the cache."""
-        rows = self.rows
-        slots = [ctx.slot for ctx in ctxs]
-        if len(set(slots)) != len(slots):
-            raise SpeclmError("propose_rows takes each slot once")
-        for slot, ctx in zip(slots, ctxs):
-            if rows.length(slot) != ctx.token_ids.shape[0] - 1:
-                raise CacheContractError(f"slot {slot} holds {rows.length(slot)} positions, its "
-                                         f"request {ctx.token_ids.shape[0] - 1}: the engine moved it")
-        # draft positions run up to n + k - 2 <= max_context - 1 in the row's cache
-        limits = [max(0, min(ctx.max_tokens, rows.max_context - int(ctx.token_ids.shape[0]) + 1)) for ctx in ctxs]
-        span = range(min(slots), max(slots) + 1)  # a forward runs contiguous slots
-        offsets = [s - span.start for s in slots]  # where each asked row sits in the span
-        at = torch.tensor(offsets)  # [N]
-        before = [rows.length(s) for s in span]
-        width = len(span)
-
-        def run(fed: torch.Tensor, active: list[bool]) -> torch.Tensor:
-            """Feed ``fed`` [N, 1] to the asked rows and keep what active rows fed. The span's
-            other rows, and asked rows that stopped, go back to their own length and rewrite a
-            pad there, which their verification overwrites (never past the context)."""
-            tokens = fed.new_zeros(width, 1)  # [S, 1], on fed's device: no host sync
-            tokens[at.to(fed.device)] = fed
-            with skipping(self.model, self.skip):
-                out = rows.forward(span, tokens, [1] * width)
-            for slot, on, b in zip(slots, active, offsets):
-                rows.keep(slot, rows.length(slot) + 1 if on else before[b], [])
-            return out.logits[at.to(out.logits.device), 0]  # [N, V]
-
-        try:
-            pending = torch.stack([ctx.token_ids[-1:] for ctx in ctxs])  # [N, 1]
-            logits = run(pending, [limit > 1 for limit in limits])
-            drafts = draft_chains(logits, ctxs, limits, run, self.p_min)
-        finally:
-            for slot, length in zip(span, before):  # the drafts' positions are dropped
-                rows.keep(slot, length, [])
-        return [Draft(d.tokens.to(ctx.token_ids.device), d.q_draft) for d, ctx in zip(drafts, ctxs)]
-
-
-class LayerSkipMember:
-    """One request's layer-skip drafter in a :class:`LayerSkipRows` group (no state of its own:
-    the target's cache is the only cache)."""
-
-    def __init__(self, group: LayerSkipRows) -> None:
-        self.group = group
-
-    @property
-    def batch_group(self) -> LayerSkipRows:
-        return self.group
-
-    @property
-    def skip(self) -> tuple[int, ...]:
-        return self.group.skip
-
-    def reset(self, prompt_ids: torch.Tensor) -> None:
-        pass
-
-    def propose(self, ctx: DraftContext) -> Draft:
-        return self.group.propose_rows([self], [ctx])[0]
-
-    def on_verified(self, num_accepted: int, emitted: list[int]) -> None:
-        pass
+    def run_variant(self, rows: RaggedRows, span: range, tokens: torch.Tensor) -> RowsOutput:
+        with skipping(self.model, self.skip):
+            return rows.forward(span, tokens, [1] * len(span))
 
     def report(self) -> dict:
-        return _report(self.group.skip, self.group.num_layers, self.group.origin)
+        return _report(self.skip, self.num_layers, self.origin)
 
 
 def _report(skip: tuple[int, ...], num_layers: int, origin: str) -> dict:

@@ -22,14 +22,26 @@ chains, ``p_min``, token trees, asynchronous drafting); the rows of a server sha
 copy: on the torch backends their chains come from one batched group that drafts every row in
 one forward per depth (drafters/draft_rows.py), otherwise each row forks the copy's cache (api
 ``row_drafters``).
+
+One case needs no cache of its own: chains for the rows of an eager target's batched ragged
+cache (a server on ``--backend torch``). The copy has the target's layers, dtype and positions,
+so it runs on the target's own cache (:class:`QuantRows`, drafters/shared_cache.py): it reads the
+target's keys and values for every committed position and only writes its draft positions,
+which are dropped before verification. No draft prefill of each prompt, no catch-up after rounds
+a row sat out (the costs that kept a server's rows from drafting at all), and a draft that
+attends to the target's exact context.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from ..errors import SpeclmError
 from ..models.base import CausalLM
+from ..models.rows import RaggedRows, RowsOutput
+from .shared_cache import SharedCacheMember, SharedCacheRows
 
 TORCH_BITS = {4: "int4", 8: "int8"}  # bits -> models/quantize.py scheme
 GGUF_BITS = {2: "q2_k", 3: "q3_k_s", 4: "q4_0", 8: "q8_0"}  # bits -> models/requantize.py type
@@ -134,3 +146,27 @@ def _fast_draft(target, scheme: str, gguf) -> CausalLM:
     draft = CompiledCausalLM(model, target.eos_token_ids, buckets=_warm_buckets(DEFAULT_BUCKETS), quantize=scheme)
     draft.warmup(WARM_TOKENS)
     return draft
+
+
+class QuantRows(SharedCacheRows):
+    """The quantized copy drafting for every row of the target's ragged cache, on that cache:
+    one forward of the copy per depth over the rows asked."""
+
+    def __init__(self, rows: RaggedRows, model: torch.nn.Module, p_min: float = 0.0) -> None:
+        super().__init__(rows, p_min)
+        self.model = model
+
+    def run_variant(self, rows: RaggedRows, span: range, tokens: torch.Tensor) -> RowsOutput:
+        return rows.forward(span, tokens, [1] * len(span), model=self.model)
+
+
+def shared_cache_member(handle, key: str, make: Callable[[], CausalLM], p_min: float) -> SharedCacheMember | None:
+    """A member of the :class:`QuantRows` group of the ragged cache ``handle`` (a row's
+    :class:`~speclm.models.rows.TargetView`) names, or None where the draft cannot share it: a
+    single-row target, a draft compiled on its own cache (``fast``), or a copy that computes in
+    another dtype than the target's cache holds (a float64 target's copy runs in float32).
+    ``key``, ``make``: :func:`quant_draft`'s (the copy is built once per cache)."""
+    rows = getattr(handle, "layer_rows", None)
+    if rows is None or key.endswith(":fast") or handle.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    return QuantRows.group(rows, (key, p_min), lambda: QuantRows(rows, make().model, p_min)).member()

@@ -174,6 +174,12 @@ def _quant(ctx: BuildContext, o: dict) -> Drafter:
     from .quant import quant_draft
 
     key, make = quant_draft(ctx.target, o["bits"], ctx.progress, fast=bool(o["fast"]))
+    if not o["tree"] and not o["async"]:  # chains in a batch on eager torch: on the target's cache
+        from .quant import shared_cache_member
+
+        member = shared_cache_member(ctx.target, key, make, o["p_min"])
+        if member is not None:
+            return member
     return _maybe_async(ctx.load_draft(key, o["p_min"], _tree_shape(o), make=make), o)
 
 

@@ -203,13 +203,16 @@ class RaggedRows:
 
     def forward(self, rows: range, token_ids: torch.Tensor, num_fed: list[int], *,
                 logits: bool = True, trees: Sequence[TreeMeta | None] | None = None,
-                return_hidden: bool | Sequence[int] = False) -> RowsOutput:
+                return_hidden: bool | Sequence[int] = False, model=None) -> RowsOutput:
+        """As :meth:`TargetRows.forward`; ``model``: a module of the target's architecture and
+        dtype to run on the rows' cache instead of the target (speclm.batch.model)."""
         width = token_ids.shape[1]
         if trees is not None and not any(t is not None for t in trees):
             trees = None
         hidden = _select_layers(return_hidden, self._num_layers) if return_hidden else False
         out = self.model.forward(slice(rows.start, rows.stop), token_ids, num_logits=width if logits else 1,
-                                 trees=list(trees) if trees is not None else None, return_hidden=hidden)
+                                 trees=list(trees) if trees is not None else None, return_hidden=hidden,
+                                 model=model)
         return RowsOutput(out.logits if logits else None, out.hidden_states)
 
     def keep(self, slot: int, start: int, keep: list[int]) -> None:
