@@ -33,7 +33,6 @@ class Proposed:
     skipped: bool  # the batch policy found that no draft could pay: nobody was asked
     drafted: int = 0  # tokens the drafters proposed, over all rows, before the batch cap
     catch_up_s: float = 0.0  # of the drafting time, what rows behind by missed rounds spent catching up
-    caught_up: int = 0  # tokens those rows fed to catch up
 
 
 class Proposals:
@@ -45,17 +44,16 @@ class Proposals:
 
     def __call__(self, batch: list[Sequence]) -> Proposed:
         worth = self._worth_asking(batch)
-        caught = [0.0, 0]  # catch-up seconds and tokens of the batched groups
         if worth:
-            proposals = self._proposals(batch, caught)
+            proposals, catch_up_s = self._proposals(batch)
         else:  # no draft could pay this step: plain, without asking the drafters
-            proposals = [(Draft.empty(), False)] * len(batch)
+            proposals, catch_up_s = [(Draft.empty(), False)] * len(batch), 0.0
         drafts = [d for d, _ in proposals]
         longest = max(d.depth for d in drafts)
         drafted = sum(d.num_tokens for d in drafts)
         if len(batch) > 1 and self.batch_policy is not None and longest:
             drafts = self._cap(batch, drafts)
-        return Proposed(drafts, [a for _, a in proposals], longest, not worth, drafted, caught[0], caught[1])
+        return Proposed(drafts, [a for _, a in proposals], longest, not worth, drafted, catch_up_s)
 
     def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
         """The row's draft for this step, and whether its drafter was asked. Under a grammar,
@@ -71,10 +69,10 @@ class Proposals:
             return Draft.empty(), False
         return self._checked(seq, seq.drafter.propose(ctx), ctx.max_tokens), True
 
-    def _proposals(self, batch: list[Sequence], caught: list) -> list[tuple[Draft, bool]]:
-        """Each row's draft, and whether its drafter was asked. Rows whose drafters share a
-        ``batch_group`` (a draft model's rows: drafters/draft_rows.py) draft in one call; what
-        a group spent catching rows up is added to ``caught`` ([seconds, tokens])."""
+    def _proposals(self, batch: list[Sequence]) -> tuple[list[tuple[Draft, bool]], float]:
+        """Each row's draft, and whether its drafter was asked; and the seconds the batched
+        groups spent catching rows up. Rows whose drafters share a ``batch_group`` (a draft
+        model's rows: drafters/draft_rows.py) draft in one call."""
         shared: dict[int, list[int]] = {}
         asks: dict[int, DraftContext | None] = {}
         for b, seq in enumerate(batch):
@@ -84,14 +82,14 @@ class Proposals:
                 if ctx is not None:
                     shared.setdefault(id(group), []).append(b)
         found: dict[int, tuple[Draft, bool]] = {b: (Draft.empty(), False) for b, ctx in asks.items() if ctx is None}
+        catch_up_s = 0.0
         for rows in shared.values():
             group = batch[rows[0]].drafter.batch_group
             drafts = group.propose_rows([batch[b].drafter for b in rows], [asks[b] for b in rows])
-            caught[0] += getattr(group, "catch_up_s", 0.0)
-            caught[1] += getattr(group, "caught_up", 0)
+            catch_up_s += getattr(group, "catch_up_s", 0.0)
             for b, draft in zip(rows, drafts):
                 found[b] = self._checked(batch[b], draft, asks[b].max_tokens), True
-        return [found[b] if b in found else self._propose(seq) for b, seq in enumerate(batch)]
+        return [found[b] if b in found else self._propose(seq) for b, seq in enumerate(batch)], catch_up_s
 
     def _ask(self, seq: Sequence) -> DraftContext | None:
         """What the row's drafter is asked to draft this step (None: a plain step). A row's
