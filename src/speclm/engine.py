@@ -49,7 +49,7 @@ from .drafters.base import (
     wanted_target_topk,
 )
 from .errors import SpeclmError
-from .models.base import CausalLM
+from .models.base import CausalLM, device_clock
 from .models.rows import RowsOutput, SlotRows, TargetRows, padded_groups
 from .proposals import Proposals, row_alphas
 from .sampling import SamplingParams, position_noise
@@ -60,11 +60,6 @@ from .step import SeqOutput, Step, StepReport
 from .structured.compiler import GrammarCompiler, request_matcher
 from .structured.drafts import commit_round, draft_masks, drafter_accepted
 from .verifier import verify
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":  # honest timing: wait for queued kernels
-        torch.cuda.synchronize(device)
 
 
 def _feature_layers(seqs: list[Sequence]) -> list[int]:
@@ -249,8 +244,7 @@ class Engine:
                 on_prefill = getattr(seq.drafter, "on_prefill", None)
                 if on_prefill is not None and not sit_out:  # a draft cache takes the same chunk
                     on_prefill(seq.tokens[: seq.prefilled])
-        _sync(self.rows.device)
-        elapsed = time.perf_counter() - start
+        elapsed = device_clock(self.rows.device) - start
         for seq, _ in todo:
             seq.stats.prefill_time_s += elapsed
         report.prefill_rows = len(todo)
@@ -274,8 +268,7 @@ class Engine:
         drafts = proposed.drafts
         report.longest_draft, report.policy_plain = proposed.longest, proposed.skipped
         masks = [draft_masks(s.grammar, d) if s.grammar is not None else None for s, d in zip(batch, drafts)]
-        _sync(self.rows.device)
-        t1 = time.perf_counter()
+        t1 = device_clock(self.rows.device)
         # -- verify ------------------------------------------------------------------------
         ks = [d.num_tokens for d in drafts]
         width = 1 + max(ks)

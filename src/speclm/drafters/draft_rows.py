@@ -24,13 +24,13 @@ accepted. Token trees and asynchronous drafting stay with ``DraftModelDrafter``.
 
 from __future__ import annotations
 
-import time
 import weakref
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import SpeclmError
+from ..models.base import device_clock
 from ..models.rows import SlotRows, make_rows, padded_groups
 from .base import Draft, DraftContext
 from .draft_model import draft_chains, fit_vocab
@@ -145,7 +145,7 @@ class DraftRows:
         missed = {id(m): u[:-1] for m, u in zip(members, unseen) if len(u) > 1}
         # a row in step has missed at most its last accepted draft token; more is a catch-up
         lagging = sum(len(t) for t in missed.values() if len(t) > 1)
-        start = _clock(self.rows.device) if lagging else 0.0
+        start = device_clock(self.rows.device) if lagging else 0.0
         for group in padded_groups([(m, len(missed[id(m)])) for m in members if id(m) in missed]):
             width = max(b for _, b in group)
             fed = torch.stack([F.pad(missed[id(m)], (0, width - b)) for m, b in group])  # [G, width]
@@ -154,7 +154,7 @@ class DraftRows:
             for m, b in group:
                 self._grow(m, b)
         if lagging:
-            self.catch_up_s, self.caught_up = _clock(self.rows.device) - start, lagging
+            self.catch_up_s, self.caught_up = device_clock(self.rows.device) - start, lagging
         logits = self._forward(n, torch.stack([u[-1:] for u in unseen]), logits=True)[:, 0]  # [B, V]
         for m in members:
             self._grow(m, 1)
@@ -169,13 +169,6 @@ class DraftRows:
 
         drafts = draft_chains(logits, ctxs, limits, step, self.p_min)
         return [Draft(d.tokens.to(ctx.token_ids.device), d.q_draft) for d, ctx in zip(drafts, ctxs)]
-
-
-def _clock(device: torch.device) -> float:
-    """Now, once the device's queued work is done (a CUDA forward returns before it runs)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class DraftRowsMember:

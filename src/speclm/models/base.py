@@ -7,6 +7,7 @@ rolls the cache back after a rejection; it never touches backend internals. A ll
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -14,6 +15,14 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..tree import TreeMeta
+
+
+def device_clock(device: torch.device) -> float:
+    """Now, once ``device``'s queued work is done (a CUDA forward returns before it runs): the
+    clock every forward is timed by (the engine's prefill and verify, a draft's catch-up)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 @dataclass
