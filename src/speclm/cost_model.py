@@ -156,17 +156,26 @@ def model_file(target, model_path: Path | None) -> Path | None:
     return getattr(getattr(target, "weights", None), "path", None) or model_path
 
 
-def cost_key(target, model_file: Path | None) -> dict | None:
-    """What a measurement holds for: model file (path, size, modification time), backend, the
-    attention implementation, dtype, threads, device, the linear layers' kernel (models/small_m.py)
-    and this measurement's version; None for a model without a file (random weights), which is
-    measured afresh every time."""
+def file_stamp(model_file: Path | None) -> list | None:
+    """What identifies a model file's (or folder's) weights: the name, size and modification
+    time of each weight file, as JSON keeps them; None for a model without a file."""
     if model_file is None or not Path(model_file).exists():
         return None
     path = Path(model_file).resolve()
     files = [path] if path.is_file() else sorted(
         p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf") or p.name == "config.json")
-    stamp = [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]  # as JSON keeps it
+    return [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
+
+
+def cost_key(target, model_file: Path | None) -> dict | None:
+    """What a measurement holds for: model file (path, size, modification time), backend, the
+    attention implementation, dtype, threads, device, the linear layers' kernel (models/small_m.py)
+    and this measurement's version; None for a model without a file (random weights), which is
+    measured afresh every time."""
+    stamp = file_stamp(model_file)
+    if stamp is None:
+        return None
+    path = Path(model_file).resolve()
     weights = getattr(target, "weights", None)  # llama.cpp: its own thread count
     threads = getattr(weights, "threads", None) or torch.get_num_threads()
     config = getattr(getattr(target, "model", None), "config", None)

@@ -35,6 +35,7 @@ attends to the target's exact context.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -75,11 +76,13 @@ def _backend_kind(target) -> str:
     return "compiled" if name.startswith("torch-compiled") else "torch"
 
 
-def quant_draft(target, bits: int, progress: bool = True, fast: bool = False) -> tuple[str, Callable[[], CausalLM]]:
+def quant_draft(target, bits: int, progress: bool = True, fast: bool = False,
+                vocab: torch.Tensor | None = None) -> tuple[str, Callable[[], CausalLM]]:
     """A key naming the quantized draft of ``target`` (shared by every row of a setup) and a
     function that builds it. Raises a one-line error where the backend cannot give ``bits``.
     ``fast``: an eager torch target's draft runs on the compiled path instead (its own static
-    cache and compiled steps, bfloat16 where the hardware has it)."""
+    cache and compiled steps, bfloat16 where the hardware has it). ``vocab``: the token ids the
+    draft's output layer covers (models/vocab_subset.py; None: all), torch backends only."""
     kind = _backend_kind(target)
     if fast and kind != "torch":
         raise SpeclmError("quant: fast=1 compiles the draft of an eager torch target; this target "
@@ -105,9 +108,29 @@ def quant_draft(target, bits: int, progress: bool = True, fast: bool = False) ->
 
         if stores_4bit(gguf):  # the file's own 4-bit blocks: the target's weights, on int4 kernels
             scheme = "gguf"
+    key = f"quant:{scheme}" + ("" if vocab is None else f":vocab{vocab.numel()}")
     if fast:
-        return f"quant:{scheme}:fast", lambda: _fast_draft(target, scheme, gguf)
-    return f"quant:{scheme}", lambda: _torch_draft(target, scheme, gguf, compiled=kind == "compiled")
+        return f"{key}:fast", lambda: _fast_draft(target, scheme, gguf, vocab)
+    return key, lambda: _torch_draft(target, scheme, gguf, vocab, compiled=kind == "compiled")
+
+
+def narrowed_vocabulary(target, tokenizer, model_path, size: int, progress: bool = True) -> torch.Tensor:
+    """The ``size`` token ids ``vocab=size`` gives the draft's output layer: those the target
+    predicts most on speclm's own prompts (models/vocab_subset.py; cached per model file), the
+    end-of-sequence ids among them. A one-line error on llama.cpp, which computes every logit."""
+    from ..cost_model import cache_path, file_stamp, model_file
+    from ..models.vocab_subset import PRIOR_TOKENS, PRIOR_VERSION, draft_vocabulary, prior_ranking
+
+    if _backend_kind(target) == "llamacpp":
+        raise SpeclmError("quant: vocab= narrows a torch draft's output layer; llama.cpp computes "
+                          "every logit (drop vocab=, or run the target with --backend torch)")
+    path = model_file(target, model_path)
+    stamp = file_stamp(path)
+    key = None if stamp is None else dict(version=PRIOR_VERSION, model=str(Path(path).resolve()), files=stamp,
+                                          vocab=target.vocab_size, tokens=PRIOR_TOKENS, backend="prior")
+    cached = None if key is None else cache_path(key, "vocab").with_suffix(".pt")
+    ranking = prior_ranking(target.model, tokenizer, target.vocab_size, cached, progress=progress)
+    return draft_vocabulary(ranking, size, sorted(target.eos_token_ids))
 
 
 def _gguf_draft(target, type_name: str, progress: bool) -> CausalLM:
@@ -120,10 +143,10 @@ def _gguf_draft(target, type_name: str, progress: bool) -> CausalLM:
                       max_context=target.max_context)
 
 
-def _torch_draft(target, scheme: str, gguf, compiled: bool) -> CausalLM:
+def _torch_draft(target, scheme: str, gguf, vocab, compiled: bool) -> CausalLM:
     from ..models.quantize import quantized_copy
 
-    model = quantized_copy(target.model, scheme, gguf=gguf)
+    model = quantized_copy(target.model, scheme, gguf=gguf, vocab=vocab)
     if not compiled:
         from ..models.hf import HFCausalLM
 
@@ -137,12 +160,12 @@ def _torch_draft(target, scheme: str, gguf, compiled: bool) -> CausalLM:
     return draft
 
 
-def _fast_draft(target, scheme: str, gguf) -> CausalLM:
+def _fast_draft(target, scheme: str, gguf, vocab) -> CausalLM:
     """An eager target's draft on the compiled path, in the fast dtype (it owns its tensors)."""
     from ..models.compiled import DEFAULT_BUCKETS, CompiledCausalLM, auto_dtype
     from ..models.quantize import quantized_copy
 
-    model = quantized_copy(target.model, scheme, dtype=auto_dtype(target.device, scheme), gguf=gguf)
+    model = quantized_copy(target.model, scheme, dtype=auto_dtype(target.device, scheme), gguf=gguf, vocab=vocab)
     draft = CompiledCausalLM(model, target.eos_token_ids, buckets=_warm_buckets(DEFAULT_BUCKETS), quantize=scheme)
     draft.warmup(WARM_TOKENS)
     return draft

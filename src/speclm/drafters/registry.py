@@ -13,10 +13,12 @@ drafter is one entry here and no name is tested for anywhere else.
                                      tree (N children per expansion); async=1 drafts the next
                                      round for the likely outcomes while the target verifies
     distilled[:path=DIR,p_min=0,tree=0,budget=16]  the draft model `speclm distill` made
-    quant[:bits=4,fast=0,p_min=0,tree=0,budget=16]  the quantized self-draft: the target's own
-                                     weights at fewer bits (torch: int8/int4 copy; llama.cpp: a
+    quant[:bits=4,fast=0,vocab=0,p_min=0,tree=0,budget=16]  the quantized self-draft: the target's
+                                     own weights at fewer bits (torch: int8/int4 copy; llama.cpp: a
                                      requantized copy of its GGUF, bits=2/3/4/8); fast=1: an eager
-                                     target's draft runs compiled (minutes to compile, once)
+                                     target's draft runs compiled (minutes to compile, once);
+                                     vocab=N: the draft's output layer covers only the N tokens
+                                     the target predicts most (torch; 0, the default: all)
     medusa:path=DIR                  Medusa heads from `speclm train-drafter` (static tree)
     eagle[:path=DIR,tree=4,budget=16]  an EAGLE head: from `speclm train-drafter` (path=DIR), or
                                      without a path the one speclm ships for the target (a
@@ -167,13 +169,16 @@ def _check_quant(o: dict) -> None:
     from .quant import check_bits
 
     check_bits(o["bits"])
+    if o["vocab"] < 0:
+        raise SpeclmError(f"quant: vocab= is the number of tokens the draft proposes from (0: all), got {o['vocab']}")
     _check_p_min(o)
 
 
 def _quant(ctx: BuildContext, o: dict) -> Drafter:
-    from .quant import quant_draft
+    from .quant import narrowed_vocabulary, quant_draft
 
-    key, make = quant_draft(ctx.target, o["bits"], ctx.progress, fast=bool(o["fast"]))
+    vocab = narrowed_vocabulary(ctx.target, ctx.tokenizer, ctx.model_path, o["vocab"], ctx.progress) if o["vocab"] else None
+    key, make = quant_draft(ctx.target, o["bits"], ctx.progress, fast=bool(o["fast"]), vocab=vocab)
     if not o["tree"] and not o["async"]:  # chains in a batch on eager torch: on the target's cache
         from .quant import shared_cache_member
 
@@ -280,7 +285,7 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
                 {"path": (str, None), "p_min": (float, 0.0), "tree": (int, 0), "budget": (int, 16), "fit": (int, 1),
                  **_ASYNC}, 5, _distilled, _check_p_min),
     DrafterKind("quant", "the target's own weights at fewer bits (int8/int4; a requantized GGUF)",
-                {"bits": (int, 4), "fast": (int, 0), "p_min": (float, 0.0), "tree": (int, 0),
+                {"bits": (int, 4), "fast": (int, 0), "vocab": (int, 0), "p_min": (float, 0.0), "tree": (int, 0),
                  "budget": (int, 16), "fit": (int, 1), **_ASYNC}, 5, _quant, _check_quant,
                 label=lambda o: f"quant[{o['bits']}-bit]"),
     DrafterKind("medusa", "Medusa heads made by `speclm train-drafter` (a static token tree)",

@@ -53,6 +53,11 @@ def _check(scheme: str, linear: nn.Linear) -> None:
                           f"on {dev} by this PyTorch build: {first}") from None
 
 
+def _rounded(linear: nn.Linear, scheme: str) -> nn.Module:
+    """``linear`` rounded to ``scheme`` ("int8" or "int4") by PyTorch's kernels' layers."""
+    return Int8Linear(linear) if scheme == "int8" else Int4Linear.from_linear(linear)
+
+
 def quantize_weights(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (),
                      gguf: str | Path | None = None) -> int:
     """Swap every ``nn.Linear`` of ``model`` (in place) for its weight-only ``scheme`` version
@@ -80,12 +85,12 @@ def quantize_weights(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
         for name, m in linears:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, Int8Linear(m) if scheme == "int8" else Int4Linear.from_linear(m))
+            setattr(parent, child, _rounded(m, scheme))
     return len(linears)
 
 
 def quantized_copy(model: nn.Module, scheme: str, dtype: torch.dtype | None = None,
-                   gguf: str | Path | None = None) -> nn.Module:
+                   gguf: str | Path | None = None, vocab: torch.Tensor | None = None) -> nn.Module:
     """A weight-only ``scheme`` copy of ``model`` that shares every tensor it does not quantize.
 
     The copy's ``nn.Linear`` layers are swapped for quantized ones built from the original
@@ -94,6 +99,10 @@ def quantized_copy(model: nn.Module, scheme: str, dtype: torch.dtype | None = No
     is the copy's compute dtype; PyTorch's quantized kernels take float32, bfloat16 or float16,
     so a float64 model (tests) is copied in float32. A copy in another dtype than the model's
     owns its tensors (cast like the compiled path casts: rotary frequencies stay float32).
+
+    ``vocab`` (ascending token ids): the copy's output layer covers only those tokens, its other
+    logits -inf (models/vocab_subset.py; a draft's cheaper head). The rows are rounded to int8
+    (``int8``, and ``gguf``, whose heads are commonly 8-bit or wider) or int4 (``int4``).
     """
     current = next(model.parameters()).dtype
     if dtype is None:
@@ -103,5 +112,16 @@ def quantized_copy(model: nn.Module, scheme: str, dtype: torch.dtype | None = No
         clone = copy.deepcopy(model, memo={id(p): p for p in model.parameters()})
     else:  # casting shared parameters would cast the target's own (``Module.to`` sets .data)
         clone = cast_keeping_rotary(copy.deepcopy(model), dtype)
+    if vocab is not None:  # before the rest, so that the full head is never quantized
+        from .vocab_subset import restrict_head
+
+        head_scheme = "int4" if scheme == "int4" else "int8"
+
+        def rows_layer(rows: nn.Linear) -> nn.Module:
+            rows = rows.to(dtype)
+            _check(head_scheme, rows)
+            return _rounded(rows, head_scheme)
+
+        restrict_head(clone, model, vocab, rows_layer)
     quantize_weights(clone, scheme, gguf=gguf)
     return clone.eval()
