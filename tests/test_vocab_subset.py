@@ -55,6 +55,7 @@ def test_ranking_puts_single_characters_first_then_merge_order():
 def test_the_targets_prior_ranks_what_it_predicts_first_and_is_cached(tmp_path, monkeypatch, tiny_tokenizer):
     """The ranking puts first the tokens the target gives mass to on speclm's prompts; computed
     once per model file (the cache file is named for it), then read back."""
+    from speclm.drafters import quant
     from speclm.drafters.quant import narrowed_vocabulary
     from speclm.models import vocab_subset
 
@@ -73,13 +74,18 @@ def test_the_targets_prior_ranks_what_it_predicts_first_and_is_cached(tmp_path, 
     real = vocab_subset.target_prior
     monkeypatch.setattr(vocab_subset, "target_prior", lambda *a, **k: calls.append(1) or real(*a, **k))
     monkeypatch.setattr(vocab_subset, "_RANKINGS", {})
+    monkeypatch.setattr(quant, "_NARROWED", {})
     lm = backend(model)
     ids = narrowed_vocabulary(lm, tiny_tokenizer, folder, 3)
     assert set(ids.tolist()) >= {7, 9} and ids.numel() == 3
+    assert narrowed_vocabulary(lm, tiny_tokenizer, folder, 3) is ids  # the next request in this process
+    assert narrowed_vocabulary(lm, tiny_tokenizer, folder, 4).numel() == 4  # another size: its own answer
     monkeypatch.setattr(vocab_subset, "_RANKINGS", {})  # another process: from the file
+    monkeypatch.setattr(quant, "_NARROWED", {})
     assert torch.equal(narrowed_vocabulary(lm, tiny_tokenizer, folder, 3), ids)
     assert calls == [1] and len(list((tmp_path / "cache" / "vocab").glob("*.pt"))) == 1
     ranking = vocab_subset.prior_ranking(model, tiny_tokenizer, vocab, max_tokens=64)
+    assert calls == [1, 1]  # not cached without a file
     assert ranking[:2].tolist() == [9, 7] and sorted(ranking.tolist()) == list(range(vocab))
 
 

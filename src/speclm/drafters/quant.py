@@ -53,6 +53,7 @@ ALL_BITS = sorted(set(TORCH_BITS) | set(GGUF_BITS))
 # (buckets 1, 2, 4, 8, 16), not in the middle of a request (~30-70 s a graph on 2 cores); a
 # longer feed (a row's first catch-up on a prompt it did not prefill) runs eagerly.
 WARM_TOKENS = 15
+_NARROWED: dict[tuple, torch.Tensor] = {}  # narrowed_vocabulary's answers, by (ranking file, size, eos ids)
 
 
 def _warm_buckets(buckets) -> tuple[int, ...]:
@@ -129,8 +130,15 @@ def narrowed_vocabulary(target, tokenizer, model_path, size: int, progress: bool
     key = None if stamp is None else dict(version=PRIOR_VERSION, model=str(Path(path).resolve()), files=stamp,
                                           vocab=target.vocab_size, tokens=PRIOR_TOKENS, backend="prior")
     cached = None if key is None else cache_path(key, "vocab").with_suffix(".pt")
+    always = tuple(sorted(target.eos_token_ids))
+    memo = None if cached is None else (cached, size, always)
+    if memo in _NARROWED:  # a server builds the drafter of every request it admits
+        return _NARROWED[memo]
     ranking = prior_ranking(target.model, tokenizer, target.vocab_size, cached, progress=progress)
-    return draft_vocabulary(ranking, size, sorted(target.eos_token_ids))
+    chosen = draft_vocabulary(ranking, size, always)
+    if memo is not None:
+        _NARROWED[memo] = chosen
+    return chosen
 
 
 def _gguf_draft(target, type_name: str, progress: bool) -> CausalLM:

@@ -34,7 +34,7 @@ from ..errors import SpeclmError
 WORD_MARKS = ("\u2581", "\u0120")  # SentencePiece's and byte-level BPE's word-start markers
 PRIOR_TOKENS = 2048  # positions of speclm's own prompts the target's prior is summed over
 PRIOR_VERSION = 1  # of the ranking's method: part of its cache key
-_RANKINGS: dict[Path, torch.Tensor] = {}  # this process's rankings, by cache file
+_RANKINGS: dict[tuple[Path, int], torch.Tensor] = {}  # this process's rankings, by (cache file, max_tokens)
 
 
 def ranked_vocabulary(tokenizer, vocab_size: int) -> torch.Tensor:
@@ -96,15 +96,16 @@ def prior_ranking(model: nn.Module, tokenizer, vocab_size: int, path: Path | Non
                   max_tokens: int = PRIOR_TOKENS, progress: bool = False) -> torch.Tensor:
     """Every id, the tokens ``model`` predicts most on speclm's own prompts first
     (:func:`target_prior`), then the rest in :func:`ranked_vocabulary`'s order [V]. Cached in
-    the file ``path`` (named for the model file by the caller; None: computed every time) and in
-    this process."""
-    if path in _RANKINGS:  # a server asks at every request it admits
-        return _RANKINGS[path]
+    the file ``path`` (named by the caller for the model file and ``max_tokens``; None: computed
+    every time) and in this process."""
+    memo = None if path is None else (path, max_tokens)
+    if memo in _RANKINGS:  # a server asks at every request it admits
+        return _RANKINGS[memo]
     if path is not None and path.exists():
         try:
             ranking = torch.load(path, weights_only=True).long()
             if ranking.shape == (vocab_size,):
-                _RANKINGS[path] = ranking
+                _RANKINGS[memo] = ranking
                 return ranking
         except (OSError, RuntimeError, ValueError):
             pass
@@ -114,7 +115,7 @@ def prior_ranking(model: nn.Module, tokenizer, vocab_size: int, path: Path | Non
         return fallback
     ranking = fallback[torch.argsort(-prior[:vocab_size][fallback], stable=True)]
     if path is not None:
-        _RANKINGS[path] = ranking
+        _RANKINGS[memo] = ranking
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
