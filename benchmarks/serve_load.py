@@ -8,7 +8,11 @@ are interleaved: for each round and concurrency level every server takes its tur
 that rotates per round, so that drifting machine load hits all alike. Each client streams chat
 completions back to back through the official ``openai`` client, greedy; tokens/s is all
 completion tokens over the phase's wall time, TTFT is measured per request at the client (request
-sent -> first content chunk). speclm's /metrics give the mean batch, the mean draft cap per step,
+sent -> first content chunk). Steady tokens/s counts only the window in which every client had a
+stream running (from the moment the first requests all streamed to the moment the first client
+found no request left): a phase is a fixed wave of requests, and its ramp-up and tail run fewer
+streams than a server under steady load does, which weighs on servers whose streams finish
+apart. It needs a few requests per client (``--min-requests``, e.g. 3x the largest client count). speclm's /metrics give the mean batch, the mean draft cap per step,
 the share of steps the policy ran plain, and alpha. Prompt caching is off on llama-server
 (``cache_prompt: false``), since the same prompts come back every round and speclm caches none.
 
@@ -102,28 +106,32 @@ async def run_phase(url: str, prompts: list[str], clients: int, requests: int, m
         return chunk.choices[0].text if endpoint == "completions" else chunk.choices[0].delta.content
 
     queue = list(range(requests))
-    ttfts, tokens, errors = [], [], []
+    ttfts, tokens, errors, streams, exits = [], [], [], [], []
 
     async def worker():
         while queue:
             i = queue.pop()
             sent = time.perf_counter()
-            first, usage, text = None, None, []
+            first, usage, text, chunks = None, None, [], []
             try:
                 stream = await request(prompts[i % len(prompts)])
                 async for chunk in stream:
                     piece = content(chunk)
                     if piece:
+                        now = time.perf_counter()
                         if first is None:
-                            first = time.perf_counter() - sent
+                            first = now - sent
                         text.append(piece)
+                        chunks.append((now, len(piece)))
                     if chunk.usage is not None:
                         usage = chunk.usage.completion_tokens
                 tokens.append(usage if usage is not None else count_tokens("".join(text)))
+                streams.append((sent, tokens[-1], chunks))
             except Exception as exc:
                 errors.append(repr(exc))
             if first is not None:
                 ttfts.append(first)
+        exits.append(time.perf_counter())  # from now on fewer than ``clients`` streams run
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(clients)))
@@ -131,9 +139,31 @@ async def run_phase(url: str, prompts: list[str], clients: int, requests: int, m
     await client.close()
     ttfts = sorted(ttfts) or [float("nan")]
     return {"clients": clients, "requests": requests, "tokens": sum(tokens), "wall_s": wall,
-            "tok_s": sum(tokens) / wall, "ttft_median_s": statistics.median(ttfts),
+            "tok_s": sum(tokens) / wall, "steady_tok_s": steady_rate(streams, clients, min(exits)),
+            "ttft_median_s": statistics.median(ttfts),
             "ttft_p95_s": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
             "errors": errors}
+
+
+def steady_rate(streams: list[tuple[float, int, list[tuple[float, int]]]], clients: int, end: float) -> float:
+    """Tokens/s while all ``clients`` streams ran: from the moment the first ``clients`` requests
+    had all begun streaming to the moment the first client found no request left (a phase's
+    ramp-up and its tail, where fewer streams run, left out; a server under steady load sees
+    neither). ``streams``: (sent time, completion tokens, [(chunk time, characters)]) per request;
+    a request's tokens are spread over its chunks by their characters. NaN where the phase had
+    no such window (too few requests for its clients)."""
+    ordered = sorted(streams, key=lambda s: s[0])[:clients]
+    if len(ordered) < clients or not all(chunks for _, _, chunks in ordered):
+        return float("nan")
+    begin = max(chunks[0][0] for _, _, chunks in ordered)
+    if end <= begin:
+        return float("nan")
+    inside = 0.0
+    for _, count, chunks in streams:
+        chars = sum(n for _, n in chunks)
+        if chars:
+            inside += count * sum(n for t, n in chunks if begin <= t <= end) / chars
+    return inside / (end - begin)
 
 
 @contextmanager
@@ -261,7 +291,8 @@ def main() -> int:
                             alpha=d["speclm_spec_accepted_tokens_total"] / d["speclm_spec_drafted_tokens_total"]
                             if d["speclm_spec_drafted_tokens_total"] else 0.0)
                     results.append(row)
-                    print(f"round {rnd} clients {clients:2d} {label:18s}: {row['tok_s']:6.1f} tok/s, "
+                    print(f"round {rnd} clients {clients:2d} {label:18s}: {row['tok_s']:6.1f} tok/s "
+                          f"(steady {row['steady_tok_s']:6.1f}), "
                           f"TTFT median {row['ttft_median_s']:.2f} s p95 {row['ttft_p95_s']:.2f} s, "
                           f"{row['tokens']} tokens, errors {len(row['errors'])}", file=sys.stderr, flush=True)
     print(table(results, args.levels, labels, reference))
@@ -282,24 +313,32 @@ def cpu_name() -> str:
     return "unknown"
 
 
+def _median(values: list[float]) -> float:
+    """The median of the values that are numbers (a phase with no steady window gives NaN)."""
+    values = [v for v in values if v == v]
+    return statistics.median(values) if values else float("nan")
+
+
 def table(results: list[dict], levels: list[int], labels: list[str], reference: str) -> str:
     """Medians over rounds, per concurrency level and server; the ratio is of medians."""
-    lines = [f"| clients | server | tokens/s | vs {reference} | TTFT median (s) | TTFT p95 (s) | mean batch | "
-             "mean K | plain-step share | alpha |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"| clients | server | tokens/s | vs {reference} | steady tokens/s | vs {reference} | TTFT median (s) | "
+             "TTFT p95 (s) | mean batch | mean K | plain-step share | alpha |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for clients in levels:
         med = {}
         for label in labels:
             rows = [r for r in results if r["clients"] == clients and r["server"] == label]
-            med[label] = {k: statistics.median(r[k] for r in rows) if k in rows[0] else None for k in (
-                "tok_s", "ttft_median_s", "ttft_p95_s", "mean_batch", "mean_draft_cap",
+            med[label] = {k: _median([r[k] for r in rows]) if k in rows[0] else None for k in (
+                "tok_s", "steady_tok_s", "ttft_median_s", "ttft_p95_s", "mean_batch", "mean_draft_cap",
                 "plain_step_share", "alpha")}
         for label in labels:
             m = med[label]
             ratio = m["tok_s"] / med[reference]["tok_s"] if med[reference]["tok_s"] else float("nan")
+            steady = (m["steady_tok_s"] or float("nan"), med[reference]["steady_tok_s"] or float("nan"))
             speclm = (f"{m['mean_batch']:.1f} | {m['mean_draft_cap']:.1f} | {m['plain_step_share']:.0%} | "
                       f"{m['alpha']:.2f}" if m["mean_batch"] is not None else "– | – | – | –")
-            lines.append(f"| {clients} | {label} | {m['tok_s']:.1f} | {ratio:.2f}x | {m['ttft_median_s']:.2f} | "
+            lines.append(f"| {clients} | {label} | {m['tok_s']:.1f} | {ratio:.2f}x | {steady[0]:.1f} | "
+                         f"{steady[0] / steady[1]:.2f}x | {m['ttft_median_s']:.2f} | "
                          f"{m['ttft_p95_s']:.2f} | {speclm} |")
     return "\n".join(lines)
 

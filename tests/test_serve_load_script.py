@@ -43,3 +43,21 @@ def test_table_takes_medians_over_rounds_and_divides_by_the_reference(serve_load
     on, peer = text.splitlines()[2:]
     assert on.startswith("| 1 | on | 20.0 | 2.00x |") and "| 1.0 | 2.0 | 25% | 0.50 |" in on
     assert peer.startswith("| 1 | peer | 10.0 | 1.00x |") and peer.endswith("| – | – | – | – |")
+
+
+def test_the_steady_rate_counts_only_while_every_client_streams(serve_load):
+    # two clients; the second request starts streaming at t=2, the first client runs out at t=6
+    streams = [(0.0, 10, [(1.0 + t, 1) for t in range(10)]),  # chunks at 1..10, one char each
+               (0.5, 4, [(2.0, 2), (4.0, 2)]),                 # 4 tokens over 4 chars, all inside
+               (9.0, 6, [(9.5, 6)])]                           # after the window
+    # inside [2, 6]: 5 of the first request's 10 chars (5 tokens) and all 4 of the second's
+    assert serve_load.steady_rate(streams, 2, 6.0) == pytest.approx(9 / 4)
+    assert serve_load.steady_rate(streams, 2, 1.5) != serve_load.steady_rate(streams, 2, 1.5)  # NaN: no window
+    assert serve_load.steady_rate(streams[:1], 2, 6.0) != serve_load.steady_rate(streams[:1], 2, 6.0)
+
+
+def test_the_steady_column_divides_medians_and_skips_phases_without_a_window(serve_load):
+    results = [dict(_row("on", 4, 10.0), steady_tok_s=v) for v in (12.0, float("nan"), 14.0)] + [
+        dict(_row("off", 4, 10.0), steady_tok_s=v) for v in (10.0, 10.0, 13.0)]
+    on = serve_load.table(results, [4], ["on", "off"], "off").splitlines()[2]
+    assert on.startswith("| 4 | on | 10.0 | 1.00x | 13.0 | 1.30x |")
