@@ -20,6 +20,7 @@ from speclm.drafters.quant import quant_draft
 from speclm.drafters.registry import parse_drafter
 from speclm.drafters.tree_search import TreeShape
 from speclm.models.quantize import Int4Linear, Int8Linear, quantized_copy
+from speclm.models.small_m import BlockLinear
 from speclm.models.vocab_subset import SubsetHead, draft_vocabulary, ranked_vocabulary
 
 from .conftest import backend, tiny_model
@@ -97,7 +98,7 @@ def test_subset_head_gives_the_full_heads_logits_on_its_tokens(scheme):
     part = quantized_copy(model, scheme, vocab=ids)
     head = part.get_output_embeddings()
     assert isinstance(head, SubsetHead) and head.out_features == VOCAB
-    assert isinstance(head.layer, Int8Linear if scheme == "int8" else Int4Linear)
+    assert isinstance(head.layer, (Int8Linear, BlockLinear) if scheme == "int8" else Int4Linear)
     assert head.layer.out_features == ids.numel()  # it reads 32 rows, not 96
     assert part.model.embed_tokens.weight is model.model.embed_tokens.weight  # still shared
     assert isinstance(model.get_output_embeddings(), torch.nn.Linear)  # the target is untouched

@@ -59,6 +59,18 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+def q8_0_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round ``weight`` [N, K] (K a multiple of 32) to llama.cpp's Q8_0 form: one symmetric
+    scale per block of 32 inputs, codes [N, K] (int8, as uint8 bytes) and scale [N, K/32]
+    (float32; the file format stores it in float16), w ~ code * scale. Finer than one scale per
+    row (:class:`Int8Linear`), and the layout of speclm's block kernel (models/small_m.py)."""
+    n, k = weight.shape
+    blocks = weight.detach().float().view(n, k // 32, 32)
+    scale = blocks.abs().amax(dim=2).clamp(min=1e-12) / 127.0  # [N, K/32]
+    codes = torch.clamp(torch.round(blocks / scale[..., None]), -127, 127).to(torch.int8)
+    return codes.view(n, k).view(torch.uint8).contiguous(), scale.contiguous()
+
+
 def _group_size(in_features: int) -> int:
     for g in (128, 64, 32):
         if in_features % g == 0:

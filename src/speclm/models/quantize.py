@@ -2,7 +2,8 @@
 (the layer modules: models/quant_linear.py).
 
 * ``int8``: per-output-channel symmetric scales, ``torch._weight_int8pack_mm`` (CPU and CUDA);
-  activations stay in the model's dtype (float32 or bfloat16/float16).
+  activations stay in the model's dtype (float32 or bfloat16/float16). A quantized self-draft's
+  float32 CPU copy (:func:`quantized_copy`) takes 8-bit blocks on speclm's kernel instead.
 * ``int4``: groups of 32-128 input channels with a scale and a zero point each (asymmetric),
   ``torch._weight_int4pack_mm_for_cpu`` on CPU and ``torch._weight_int4pack_mm`` on CUDA
   (bfloat16 activations there).
@@ -53,17 +54,36 @@ def _check(scheme: str, linear: nn.Linear) -> None:
                           f"on {dev} by this PyTorch build: {first}") from None
 
 
-def _rounded(linear: nn.Linear, scheme: str) -> nn.Module:
-    """``linear`` rounded to ``scheme`` ("int8" or "int4") by PyTorch's kernels' layers."""
+def _blocks_fit(linear: nn.Linear) -> bool:
+    """Whether speclm's CPU block kernel runs ``linear`` rounded to 8-bit blocks: float32 on a
+    CPU where the kernel builds, input width a multiple of 32."""
+    from .small_m import kernel_available
+
+    w = linear.weight
+    return (w.dtype == torch.float32 and w.device.type == "cpu" and linear.in_features % 32 == 0
+            and kernel_available())
+
+
+def _rounded(linear: nn.Linear, scheme: str, blocks: bool = False) -> nn.Module:
+    """``linear`` rounded to ``scheme`` ("int8" or "int4") by PyTorch's kernels' layers; with
+    ``blocks``, an int8 float32 CPU layer goes to Q8_0 blocks on speclm's kernel instead."""
+    if scheme == "int8" and blocks and _blocks_fit(linear):
+        from .gguf_int4 import block_activations
+        from .quant_linear import q8_0_codes
+        from .small_m import BlockLinear
+
+        codes, scale = q8_0_codes(linear.weight)
+        return BlockLinear(codes, scale, None, 8, linear.bias, block_activations())
     return Int8Linear(linear) if scheme == "int8" else Int4Linear.from_linear(linear)
 
 
 def quantize_weights(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (),
-                     gguf: str | Path | None = None) -> int:
+                     gguf: str | Path | None = None, blocks: bool = False) -> int:
     """Swap every ``nn.Linear`` of ``model`` (in place) for its weight-only ``scheme`` version
     ("int8" or "int4"), except modules whose name contains one of ``skip``; or, for "gguf", the
     layers that the GGUF file ``gguf`` (the model's source) stores in blocks for int4 layers on
-    those blocks (models/gguf_int4.py). Returns how many."""
+    those blocks (models/gguf_int4.py). ``blocks``: "int8" float32 layers on a CPU run as 8-bit
+    blocks on speclm's kernel where it builds (:func:`_rounded`). Returns how many."""
     if scheme not in CHOICES:
         raise SpeclmError(f"unknown quantization {scheme!r}; use one of {', '.join(CHOICES)}")
     if scheme == "gguf":
@@ -85,7 +105,7 @@ def quantize_weights(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
         for name, m in linears:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
-            setattr(parent, child, _rounded(m, scheme))
+            setattr(parent, child, _rounded(m, scheme, blocks))
     return len(linears)
 
 
@@ -103,6 +123,12 @@ def quantized_copy(model: nn.Module, scheme: str, dtype: torch.dtype | None = No
     ``vocab`` (ascending token ids): the copy's output layer covers only those tokens, its other
     logits -inf (models/vocab_subset.py; a draft's cheaper head). The rows are rounded to int8
     (``int8``, and ``gguf``, whose heads are commonly 8-bit or wider) or int4 (``int4``).
+
+    An ``int8`` copy in float32 on a CPU where speclm's block kernel builds is rounded to
+    llama.cpp's Q8_0 blocks (one scale per 32 inputs) and runs on that kernel with 8-bit
+    activations (:class:`~.small_m.BlockLinear`): PyTorch's int8 kernel multiplies float32 rows
+    in bfloat16 at about half the bandwidth (docs/benchmarks.md, "The int8 self-draft on 8-bit
+    blocks"). A draft may round as it likes; the target is untouched.
     """
     current = next(model.parameters()).dtype
     if dtype is None:
@@ -120,8 +146,8 @@ def quantized_copy(model: nn.Module, scheme: str, dtype: torch.dtype | None = No
         def rows_layer(rows: nn.Linear) -> nn.Module:
             rows = rows.to(dtype)
             _check(head_scheme, rows)
-            return _rounded(rows, head_scheme)
+            return _rounded(rows, head_scheme, blocks=True)
 
         restrict_head(clone, model, vocab, rows_layer)
-    quantize_weights(clone, scheme, gguf=gguf)
+    quantize_weights(clone, scheme, gguf=gguf, blocks=True)
     return clone.eval()
