@@ -42,7 +42,7 @@ def test_copy_is_quantized_and_shares_the_rest(scheme):
     copy = quantized_copy(model, scheme)
     from speclm.models.small_m import kernel_available
 
-    kind = (BlockLinear if kernel_available() else Int8Linear) if scheme == "int8" else Int4Linear
+    kind = BlockLinear if kernel_available() else Int8Linear if scheme == "int8" else Int4Linear
     assert {type(m) for m in copy.modules()} >= {kind} and torch.nn.Linear not in {type(m) for m in copy.modules()}
     assert any(isinstance(m, torch.nn.Linear) for m in model.modules())  # the target is untouched
     assert copy.model.embed_tokens.weight is model.model.embed_tokens.weight  # shared, not copied
@@ -54,18 +54,26 @@ def test_copy_is_quantized_and_shares_the_rest(scheme):
     assert 1e-4 < err < (0.05 if scheme == "int8" else 0.6), err  # really quantized, still close
 
 
-def test_int8_copy_is_8_bit_blocks_on_the_kernel(cpu_kernel):
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_float32_copy_is_llama_cpp_blocks_on_the_kernel(cpu_kernel, scheme):
+    """int8: Q8_0 (scale = absmax / 127 per 32 inputs); int4: Q4_1 (scale = range / 15 and the
+    minimum per 32 inputs); either rounds each weight to the nearest code."""
     model = tiny_model(VOCAB, seed=10, seed_layers=2).float()
-    copy = quantized_copy(model, "int8")
+    copy = quantized_copy(model, scheme)
     pairs = [(name, m) for name, m in copy.named_modules() if isinstance(m, BlockLinear)]
-    assert pairs and not any(isinstance(m, Int8Linear) for m in copy.modules())
+    assert pairs and not any(isinstance(m, (Int8Linear, Int4Linear)) for m in copy.modules())
     for name, layer in pairs:
         w = model.get_submodule(name).weight.detach()  # [N, K]
         blocks = w.view(w.shape[0], -1, 32)
-        scale = blocks.abs().amax(dim=2) / 127  # one scale per 32 inputs, as llama.cpp's Q8_0
-        assert torch.allclose(layer.scale, scale, rtol=1e-6)
+        if scheme == "int8":
+            scale = blocks.abs().amax(dim=2) / 127
+            assert layer.bits == 8 and layer.minimum is None
+        else:
+            scale = (blocks.amax(dim=2) - blocks.amin(dim=2)) / 15
+            assert layer.bits == 4 and torch.allclose(layer.minimum, blocks.amin(dim=2))
+        assert torch.allclose(layer.scale, scale, rtol=1e-5)
         err = (layer.dequantized() - w).abs().view_as(blocks)
-        assert bool((err <= scale[..., None] / 2 * (1 + 1e-5)).all())  # round to nearest
+        assert bool((err <= scale[..., None] / 2 * (1 + 1e-4) + 1e-7).all())  # round to nearest
         assert float(err.max()) > 0  # really rounded
 
 
@@ -225,7 +233,7 @@ def test_batched_rows_draft_on_the_targets_cache(bits):
     assert [out[str(i)][0] for i in range(len(reqs))] == solo
     assert built == [1] and all(isinstance(m, SharedCacheMember) and m.batch_group is group for m in members)
     assert widths and set(widths) == {1}  # one token per row per forward: the prompts are the target's
-    assert any(isinstance(m, (Int8Linear, BlockLinear) if bits == 8 else Int4Linear) for m in group.model.modules())
+    assert any(isinstance(m, (BlockLinear, Int8Linear if bits == 8 else Int4Linear)) for m in group.model.modules())
     drafted = sum(out[str(i)][2].drafted_tokens for i in range(len(reqs)))
     accepted = sum(out[str(i)][2].accepted_tokens for i in range(len(reqs)))
     assert drafted > 0 and accepted > 0

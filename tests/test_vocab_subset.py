@@ -98,7 +98,7 @@ def test_subset_head_gives_the_full_heads_logits_on_its_tokens(scheme):
     part = quantized_copy(model, scheme, vocab=ids)
     head = part.get_output_embeddings()
     assert isinstance(head, SubsetHead) and head.out_features == VOCAB
-    assert isinstance(head.layer, (Int8Linear, BlockLinear) if scheme == "int8" else Int4Linear)
+    assert isinstance(head.layer, (BlockLinear, Int8Linear if scheme == "int8" else Int4Linear))
     assert head.layer.out_features == ids.numel()  # it reads 32 rows, not 96
     assert part.model.embed_tokens.weight is model.model.embed_tokens.weight  # still shared
     assert isinstance(model.get_output_embeddings(), torch.nn.Linear)  # the target is untouched

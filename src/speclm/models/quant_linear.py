@@ -14,6 +14,10 @@ multiplies its activations in bfloat16 and returns its rows in the model's dtype
 (:func:`kernel_dtype`); its weights are rounded to 8 or 4 bits anyway. A layer on a GGUF file's
 own blocks keeps the model's dtype, so that it computes the file's weights.
 
+:func:`q8_0_codes` rounds a float weight to llama.cpp's Q8_0 form for speclm's own block kernel
+(:class:`~.small_m.BlockLinear`), which the quantized self-draft's float32 CPU copy runs instead
+of :class:`Int8Linear`.
+
 Which layers get swapped, and how a model is copied for it: models/quantize.py.
 """
 

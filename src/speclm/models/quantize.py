@@ -3,7 +3,8 @@
 
 * ``int8``: per-output-channel symmetric scales, ``torch._weight_int8pack_mm`` (CPU and CUDA);
   activations stay in the model's dtype (float32 or bfloat16/float16). A quantized self-draft's
-  float32 CPU copy (:func:`quantized_copy`) takes 8-bit blocks on speclm's kernel instead.
+  float32 CPU copy (:func:`quantized_copy`) takes 8-bit blocks on speclm's kernel instead (and
+  4-bit blocks for ``int4``).
 * ``int4``: groups of 32-128 input channels with a scale and a zero point each (asymmetric),
   ``torch._weight_int4pack_mm_for_cpu`` on CPU and ``torch._weight_int4pack_mm`` on CUDA
   (bfloat16 activations there).
@@ -55,8 +56,8 @@ def _check(scheme: str, linear: nn.Linear) -> None:
 
 
 def _blocks_fit(linear: nn.Linear) -> bool:
-    """Whether speclm's CPU block kernel runs ``linear`` rounded to 8-bit blocks: float32 on a
-    CPU where the kernel builds, input width a multiple of 32."""
+    """Whether speclm's CPU block kernel runs ``linear`` rounded to blocks of 32 inputs: float32
+    on a CPU where the kernel builds, input width a multiple of 32."""
     from .small_m import kernel_available
 
     w = linear.weight
@@ -66,14 +67,20 @@ def _blocks_fit(linear: nn.Linear) -> bool:
 
 def _rounded(linear: nn.Linear, scheme: str, blocks: bool = False) -> nn.Module:
     """``linear`` rounded to ``scheme`` ("int8" or "int4") by PyTorch's kernels' layers; with
-    ``blocks``, an int8 float32 CPU layer goes to Q8_0 blocks on speclm's kernel instead."""
-    if scheme == "int8" and blocks and _blocks_fit(linear):
+    ``blocks``, a float32 CPU layer goes to llama.cpp's block forms on speclm's kernel instead
+    (int8: Q8_0, a scale per 32 inputs; int4: Q4_1, a scale and a minimum per 32 inputs)."""
+    if blocks and _blocks_fit(linear):
         from .gguf_int4 import block_activations
-        from .quant_linear import q8_0_codes
+        from .quant_linear import int4_codes, q8_0_codes
         from .small_m import BlockLinear
 
-        codes, scale = q8_0_codes(linear.weight)
-        return BlockLinear(codes, scale, None, 8, linear.bias, block_activations())
+        if scheme == "int8":
+            codes, scale = q8_0_codes(linear.weight)
+            return BlockLinear(codes, scale, None, 8, linear.bias, block_activations())
+        codes, scale, minimum = int4_codes(linear.weight, 32)  # [N, K] in 0..15, w ~ code * scale + minimum
+        grouped = codes.view(codes.shape[0], -1, 32).to(torch.uint8)  # -> the nibble order of Q4_1's blocks
+        packed = (grouped[..., :16] | grouped[..., 16:] << 4).reshape(codes.shape[0], -1)
+        return BlockLinear(packed, scale, minimum, 4, linear.bias, block_activations())
     return Int8Linear(linear) if scheme == "int8" else Int4Linear.from_linear(linear)
 
 
@@ -82,7 +89,7 @@ def quantize_weights(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
     """Swap every ``nn.Linear`` of ``model`` (in place) for its weight-only ``scheme`` version
     ("int8" or "int4"), except modules whose name contains one of ``skip``; or, for "gguf", the
     layers that the GGUF file ``gguf`` (the model's source) stores in blocks for int4 layers on
-    those blocks (models/gguf_int4.py). ``blocks``: "int8" float32 layers on a CPU run as 8-bit
+    those blocks (models/gguf_int4.py). ``blocks``: float32 layers on a CPU run as 8- or 4-bit
     blocks on speclm's kernel where it builds (:func:`_rounded`). Returns how many."""
     if scheme not in CHOICES:
         raise SpeclmError(f"unknown quantization {scheme!r}; use one of {', '.join(CHOICES)}")
@@ -124,11 +131,12 @@ def quantized_copy(model: nn.Module, scheme: str, dtype: torch.dtype | None = No
     logits -inf (models/vocab_subset.py; a draft's cheaper head). The rows are rounded to int8
     (``int8``, and ``gguf``, whose heads are commonly 8-bit or wider) or int4 (``int4``).
 
-    An ``int8`` copy in float32 on a CPU where speclm's block kernel builds is rounded to
-    llama.cpp's Q8_0 blocks (one scale per 32 inputs) and runs on that kernel with 8-bit
-    activations (:class:`~.small_m.BlockLinear`): PyTorch's int8 kernel multiplies float32 rows
-    in bfloat16 at about half the bandwidth (docs/benchmarks.md, "The int8 self-draft on 8-bit
-    blocks"). A draft may round as it likes; the target is untouched.
+    A copy in float32 on a CPU where speclm's block kernel builds is rounded to llama.cpp's block
+    forms instead (``int8``: Q8_0, one scale per 32 inputs; ``int4``: Q4_1, a scale and a minimum
+    per 32 inputs) and runs on that kernel with 8-bit activations (:class:`~.small_m.BlockLinear`):
+    PyTorch's weight-only kernels multiply float32 rows in bfloat16 at about half the bandwidth
+    (docs/benchmarks.md, "The quantized self-draft on speclm's block kernel"). A draft may round
+    as it likes; the target is untouched.
     """
     current = next(model.parameters()).dtype
     if dtype is None:
