@@ -139,7 +139,7 @@ async def run_phase(url: str, prompts: list[str], clients: int, requests: int, m
     await client.close()
     ttfts = sorted(ttfts) or [float("nan")]
     return {"clients": clients, "requests": requests, "tokens": sum(tokens), "wall_s": wall,
-            "tok_s": sum(tokens) / wall, "steady_tok_s": steady_rate(streams, clients, min(exits)),
+            "tok_s": sum(tokens) / wall, "steady_tok_s": float("nan") if errors else steady_rate(streams, clients, min(exits)),
             "ttft_median_s": statistics.median(ttfts),
             "ttft_p95_s": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
             "errors": errors}
@@ -151,7 +151,8 @@ def steady_rate(streams: list[tuple[float, int, list[tuple[float, int]]]], clien
     ramp-up and its tail, where fewer streams run, left out; a server under steady load sees
     neither). ``streams``: (sent time, completion tokens, [(chunk time, characters)]) per request;
     a request's tokens are spread over its chunks by their characters. NaN where the phase had
-    no such window (too few requests for its clients)."""
+    no such window (too few requests for its clients; a failed request makes the phase NaN too,
+    its caller's check)."""
     ordered = sorted(streams, key=lambda s: s[0])[:clients]
     if len(ordered) < clients or not all(chunks for _, _, chunks in ordered):
         return float("nan")

@@ -75,6 +75,10 @@ def test_float32_copy_is_llama_cpp_blocks_on_the_kernel(cpu_kernel, scheme):
         err = (layer.dequantized() - w).abs().view_as(blocks)
         assert bool((err <= scale[..., None] / 2 * (1 + 1e-4) + 1e-7).all())  # round to nearest
         assert float(err.max()) > 0  # really rounded
+    ids = torch.arange(0, VOCAB, 2)
+    head = quantized_copy(model, scheme, vocab=ids).get_output_embeddings().layer  # rows built outside no_grad
+    assert isinstance(head, BlockLinear)
+    assert not any(t.requires_grad for t in (head.codes, head.scale, head.minimum) if t is not None)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

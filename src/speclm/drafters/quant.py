@@ -9,8 +9,8 @@ What the draft is, by the target's backend:
 
 * eager torch: a copy of the target whose ``nn.Linear`` layers are weight-only int8 or int4
   (models/quantize.py ``quantized_copy``; embeddings, norms and rotary tables are the target's
-  own tensors), run eagerly. An int8 copy of a float32 target on a CPU is rounded to 8-bit
-  blocks of 32 inputs and runs on speclm's block kernel (llama.cpp's Q8_0 arithmetic). With bits=4, a target loaded from a GGUF file that stores 4-bit
+  own tensors), run eagerly. A float32 target's copy on a CPU is rounded to llama.cpp's
+  blocks of 32 inputs (int8: Q8_0, int4: Q4_1) and runs on speclm's block kernel. With bits=4, a target loaded from a GGUF file that stores 4-bit
   blocks drafts with those blocks (models/gguf_int4.py): the draft then computes the target's
   own weights, on int4 kernels, and agrees with it on nearly every token;
 * the compiled torch path: the same copy of the compiled target's model (its dtype, e.g.

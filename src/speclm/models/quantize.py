@@ -77,7 +77,7 @@ def _rounded(linear: nn.Linear, scheme: str, blocks: bool = False) -> nn.Module:
         if scheme == "int8":
             codes, scale = q8_0_codes(linear.weight)
             return BlockLinear(codes, scale, None, 8, linear.bias, block_activations())
-        codes, scale, minimum = int4_codes(linear.weight, 32)  # [N, K] in 0..15, w ~ code * scale + minimum
+        codes, scale, minimum = int4_codes(linear.weight.detach(), 32)  # [N, K] in 0..15, w ~ code * scale + minimum
         grouped = codes.view(codes.shape[0], -1, 32).to(torch.uint8)  # -> the nibble order of Q4_1's blocks
         packed = (grouped[..., :16] | grouped[..., 16:] << 4).reshape(codes.shape[0], -1)
         return BlockLinear(packed, scale, minimum, 4, linear.bias, block_activations())
