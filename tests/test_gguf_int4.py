@@ -21,6 +21,7 @@ from speclm.models.gguf_int4 import (
     decode_q4,
     decode_q8,
     keep_gguf_int4,
+    pack_q4,
 )
 from speclm.models.quantize import Int4Linear
 from speclm.models.small_m import BLOCK_MAX_ROWS, MAX_ROWS, BlockLinear, block_max_rows
@@ -63,6 +64,17 @@ def test_decode_matches_gguf_py(type_name):
         grouped = codes.reshape(48, -1, 32).astype(np.float32)
         got = (grouped * scale[..., None] + minimum[..., None]).reshape(48, 96)
     np.testing.assert_allclose(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1"])
+def test_packing_is_the_files_byte_order(type_name):
+    """pack_q4 gives back the code bytes of the file's blocks, for NumPy codes and for tensors."""
+    raw, _ = _blocks(type_name)
+    codes, _, _ = decode_q4(raw, type_name)
+    head = {"Q4_0": 2, "Q4_1": 4}[type_name]
+    stored = raw.reshape(48, -1, head + 16)[..., head:].reshape(48, -1)  # the file's code bytes
+    np.testing.assert_array_equal(pack_q4(codes), stored)
+    np.testing.assert_array_equal(pack_q4(torch.from_numpy(codes)).numpy(), stored)
 
 
 @pytest.mark.parametrize("type_name", TYPES)

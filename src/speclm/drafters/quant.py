@@ -10,9 +10,10 @@ What the draft is, by the target's backend:
 * eager torch: a copy of the target whose ``nn.Linear`` layers are weight-only int8 or int4
   (models/quantize.py ``quantized_copy``; embeddings, norms and rotary tables are the target's
   own tensors), run eagerly. A float32 target's copy on a CPU is rounded to llama.cpp's
-  blocks of 32 inputs (int8: Q8_0, int4: Q4_1) and runs on speclm's block kernel. With bits=4, a target loaded from a GGUF file that stores 4-bit
-  blocks drafts with those blocks (models/gguf_int4.py): the draft then computes the target's
-  own weights, on int4 kernels, and agrees with it on nearly every token;
+  blocks of 32 inputs (int8: Q8_0, int4: Q4_1) and runs on speclm's block kernel. With
+  bits=4, a target loaded from a GGUF file that stores 4-bit blocks drafts with those blocks
+  (models/gguf_int4.py): the draft then computes the target's own weights, on int4 kernels,
+  and agrees with it on nearly every token;
 * the compiled torch path: the same copy of the compiled target's model (its dtype, e.g.
   bfloat16), compiled over its own static cache with the target's token and cache buckets;
 * llama.cpp: a requantized copy of the target's GGUF file (models/requantize.py, made once and

@@ -51,6 +51,7 @@ from .compiled_step import CompiledStep
 from .dtypes import cast_keeping_rotary, fast_dtype
 from .hf_kwargs import cache_kwarg
 from .kv_cache import check_forward
+from .quant_linear import Int4Linear
 from .static_cache import (
     StaticKVCache,
     capacity_buckets,
@@ -123,8 +124,10 @@ class CompiledCausalLM:
         mode = "reduce-overhead" if self.device.type == "cuda" and compile_backend == "inductor" else None
         self.compile_backend = compile_backend
         freeze = self.device.type == "cpu" and self.dtype in (torch.bfloat16, torch.float16)
-        # PyTorch's CPU int4 product has no C entry point for inductor's C++ wrapper
-        self._step = _step or CompiledStep(model, mode, compile_backend, freeze, cpp_wrapper=quantize != "int4")
+        # PyTorch's CPU int4 product has no C entry point for inductor's C++ wrapper (a float32
+        # copy rounded to 4-bit blocks runs on speclm's kernel, which has one)
+        torch_int4 = any(isinstance(m, Int4Linear) for m in model.modules())
+        self._step = _step or CompiledStep(model, mode, compile_backend, freeze, cpp_wrapper=not torch_int4)
         self._step.allow_graphs(len(self.buckets) * len(self.capacities) * 4)  # with and without features
         self._min = torch.finfo(self.dtype).min
         self._zero = torch.zeros((), dtype=self.dtype, device=self.device)

@@ -98,6 +98,15 @@ def decode_q4(data: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray,
     return codes, scale, minimum
 
 
+def pack_q4(codes):
+    """4-bit codes [N, K] (uint8 in 0..15; a NumPy array or a tensor, returned alike) packed two
+    to a byte [N, K/2] in the order of a Q4_0/Q4_1 block, the inverse of :func:`decode_q4`: byte j
+    of each block of 32 inputs holds input j in its low nibble and input j + 16 in its high one."""
+    n = codes.shape[0]
+    grouped = codes.reshape(n, -1, BLOCK)  # [N, K/32, 32]
+    return (grouped[..., : BLOCK // 2] | grouped[..., BLOCK // 2:] << 4).reshape(n, -1)
+
+
 def _row_order(weight: torch.Tensor, dequantized: np.ndarray) -> np.ndarray | None:
     """Indices into ``dequantized``'s rows (float32) giving ``weight`` [N, K] bit for bit once
     rounded to ``weight``'s dtype (float32, or bfloat16 for a model already cast), or None."""
@@ -158,10 +167,8 @@ def _from_blocks(data: np.ndarray, type_name: str, weight: torch.Tensor,
         activations = block_activations()
         if type_name == "Q8_0":
             return BlockLinear(as_tensor(q8.view(np.uint8)), as_tensor(scale), None, 8, bias, activations)
-        grouped = codes.reshape(codes.shape[0], -1, BLOCK)  # [N, K/32, 32] -> the file's nibble order
-        packed = (grouped[..., : BLOCK // 2] | grouped[..., BLOCK // 2:] << 4).reshape(codes.shape[0], -1)
         own_minimum = as_tensor(minimum) if type_name == "Q4_1" else None  # Q4_0: d * (q - 8)
-        return BlockLinear(as_tensor(packed), as_tensor(scale), own_minimum, 4, bias, activations)
+        return BlockLinear(as_tensor(pack_q4(codes)), as_tensor(scale), own_minimum, 4, bias, activations)
 
     def int4(codes: np.ndarray, scale: np.ndarray, minimum: np.ndarray, bias) -> Int4Linear:
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a[order])).to(weight.device)  # noqa: E731

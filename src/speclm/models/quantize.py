@@ -36,8 +36,9 @@ SCHEMES = ("int8", "int4")  # rounded here from float weights
 CHOICES = SCHEMES + ("gguf",)  # what --quantize takes: gguf keeps a GGUF's own blocks (gguf_int4.py)
 
 
-def _check(scheme: str, linear: nn.Linear) -> None:
-    """Fail with a clear message on a combination PyTorch's kernels do not support."""
+def _check(scheme: str, linear: nn.Linear, blocks: bool = False) -> None:
+    """Fail with a clear message on a combination PyTorch's kernels do not support (with
+    ``blocks``, a layer that goes to speclm's block kernel needs no probe of PyTorch's)."""
     w = linear.weight
     dt, dev = w.dtype, w.device.type
     if dt not in (torch.float32, torch.bfloat16, torch.float16):
@@ -45,6 +46,8 @@ def _check(scheme: str, linear: nn.Linear) -> None:
                           f"the model is {str(dt).removeprefix('torch.')}")
     if dev not in ("cpu", "cuda"):
         raise SpeclmError(f"{scheme} quantization runs on cpu or cuda, the model is on {dev}")
+    if blocks and _blocks_fit(linear):
+        return
     try:  # probe the kernel once on a small layer of the same dtype and device
         probe = nn.Linear(128, 16, bias=False, device=w.device, dtype=dt)
         module = Int8Linear(probe) if scheme == "int8" else Int4Linear.from_linear(probe)
@@ -70,16 +73,15 @@ def _rounded(linear: nn.Linear, scheme: str, blocks: bool = False) -> nn.Module:
     ``blocks``, a float32 CPU layer goes to llama.cpp's block forms on speclm's kernel instead
     (int8: Q8_0, a scale per 32 inputs; int4: Q4_1, a scale and a minimum per 32 inputs)."""
     if blocks and _blocks_fit(linear):
-        from .gguf_int4 import block_activations
+        from .gguf_int4 import block_activations, pack_q4
         from .quant_linear import int4_codes, q8_0_codes
         from .small_m import BlockLinear
 
         if scheme == "int8":
             codes, scale = q8_0_codes(linear.weight)
             return BlockLinear(codes, scale, None, 8, linear.bias, block_activations())
-        codes, scale, minimum = int4_codes(linear.weight.detach(), 32)  # [N, K] in 0..15, w ~ code * scale + minimum
-        grouped = codes.view(codes.shape[0], -1, 32).to(torch.uint8)  # -> the nibble order of Q4_1's blocks
-        packed = (grouped[..., :16] | grouped[..., 16:] << 4).reshape(codes.shape[0], -1)
+        codes, scale, minimum = int4_codes(linear.weight.detach(), 32)  # [N, K] in 0..15: w ~ code * scale + min
+        packed = pack_q4(codes.to(torch.uint8))  # [N, K/2], Q4_1's nibble order
         return BlockLinear(packed, scale, minimum, 4, linear.bias, block_activations())
     return Int8Linear(linear) if scheme == "int8" else Int4Linear.from_linear(linear)
 
@@ -104,7 +106,11 @@ def quantize_weights(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
                if isinstance(m, nn.Linear) and not any(s in name for s in skip)]
     if not linears:
         raise SpeclmError(f"{type(model).__name__} has no nn.Linear layers to quantize")
-    _check(scheme, linears[0][1])
+    probe = next((m for _, m in linears if not (blocks and _blocks_fit(m))), None)
+    if probe is not None:  # some layer runs on PyTorch's kernels
+        _check(scheme, probe)
+    else:
+        _check(scheme, linears[0][1], blocks=True)  # dtype and device only
     if scheme == "int4":
         for name, m in linears:
             _group_size(m.in_features)  # fail before touching the model
@@ -153,7 +159,7 @@ def quantized_copy(model: nn.Module, scheme: str, dtype: torch.dtype | None = No
 
         def rows_layer(rows: nn.Linear) -> nn.Module:
             rows = rows.to(dtype)
-            _check(head_scheme, rows)
+            _check(head_scheme, rows, blocks=True)
             return _rounded(rows, head_scheme, blocks=True)
 
         restrict_head(clone, model, vocab, rows_layer)
