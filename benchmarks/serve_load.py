@@ -152,9 +152,10 @@ def steady_rate(streams: list[tuple[float, int, list[tuple[float, int]]]], clien
     neither). ``streams``: (sent time, completion tokens, [(chunk time, characters)]) per request;
     a request's tokens are spread over its chunks by their characters. NaN where the phase had
     no such window (too few requests for its clients; a failed request makes the phase NaN too,
-    its caller's check)."""
-    ordered = sorted(streams, key=lambda s: s[0])[:clients]
-    if len(ordered) < clients or not all(chunks for _, _, chunks in ordered):
+    its caller's check). A request that streamed no text (an end-of-sequence token first) held
+    its client for no time and is passed over."""
+    ordered = sorted((s for s in streams if s[2]), key=lambda s: s[0])[:clients]
+    if len(ordered) < clients:
         return float("nan")
     begin = max(chunks[0][0] for _, _, chunks in ordered)
     if end <= begin:
@@ -338,8 +339,10 @@ def table(results: list[dict], levels: list[int], labels: list[str], reference: 
             steady = (m["steady_tok_s"] or float("nan"), med[reference]["steady_tok_s"] or float("nan"))
             speclm = (f"{m['mean_batch']:.1f} | {m['mean_draft_cap']:.1f} | {m['plain_step_share']:.0%} | "
                       f"{m['alpha']:.2f}" if m["mean_batch"] is not None else "– | – | – | –")
-            lines.append(f"| {clients} | {label} | {m['tok_s']:.1f} | {ratio:.2f}x | {steady[0]:.1f} | "
-                         f"{steady[0] / steady[1]:.2f}x | {m['ttft_median_s']:.2f} | "
+            window = (f"{steady[0]:.1f} | {steady[0] / steady[1]:.2f}x" if steady[0] == steady[0] and steady[1] == steady[1]
+                      else (f"{steady[0]:.1f}" if steady[0] == steady[0] else "–") + " | –")  # NaN: no window
+            lines.append(f"| {clients} | {label} | {m['tok_s']:.1f} | {ratio:.2f}x | {window} | "
+                         f"{m['ttft_median_s']:.2f} | "
                          f"{m['ttft_p95_s']:.2f} | {speclm} |")
     return "\n".join(lines)
 

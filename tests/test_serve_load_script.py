@@ -54,6 +54,9 @@ def test_the_steady_rate_counts_only_while_every_client_streams(serve_load):
     assert serve_load.steady_rate(streams, 2, 6.0) == pytest.approx(9 / 4)
     assert serve_load.steady_rate(streams, 2, 1.5) != serve_load.steady_rate(streams, 2, 1.5)  # NaN: no window
     assert serve_load.steady_rate(streams[:1], 2, 6.0) != serve_load.steady_rate(streams[:1], 2, 6.0)
+    # a request that streamed no text (end of sequence first) does not hold the window shut
+    empty = [(0.2, 1, [])]
+    assert serve_load.steady_rate(streams + empty, 2, 6.0) == pytest.approx(9 / 4)
 
 
 def test_the_steady_column_divides_medians_and_skips_phases_without_a_window(serve_load):

@@ -18,6 +18,7 @@ from .attention import MASKED_4D, use_gqa_sdpa
 from .base import ForwardOutput
 from .hf_kwargs import cache_kwarg
 from .kv_cache import KVCache, check_forward, supports_trees
+from .fast_norm import use_fast_norms
 from .small_m import use_small_m
 
 
@@ -31,6 +32,7 @@ class HFCausalLM:
     def __init__(self, model: PreTrainedModel, eos_token_ids: frozenset[int]) -> None:
         use_gqa_sdpa(model)  # verifies and batched steps without copying the cache per layer
         use_small_m(model)  # float32 on an AVX2 CPU: a verify of a few tokens costs about one step
+        use_fast_norms(model)  # ... and its norms one kernel call each
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype

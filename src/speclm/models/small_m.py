@@ -46,7 +46,7 @@ MAX_ROWS = 16  # float weights: MKL's product is as fast at 16 rows and faster b
 BLOCK_MAX_ROWS = 32  # a GGUF's blocks with float activations (small_m_blocks): beyond, the BLAS is cheaper
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("small_m.cpp", "small_m_attention.cpp", "small_m_q8.cpp", "small_m_tiles.cpp",
-                          "small_m_tiles_avx2.cpp", "small_m_shims.cpp"))
+                          "small_m_tiles_avx2.cpp", "small_m_shims.cpp", "small_m_norm.cpp"))
 HEADER = Path(__file__).with_name("small_m.h")
 ENV = "SPECLM_CPU_KERNEL"  # "0" turns the kernel off
 ISA_ENV = "SPECLM_CPU_ISA"  # "avx2" or "avx512-vnni": those kernels even where the CPU has more
@@ -197,7 +197,8 @@ def _register_fake() -> None:
                            ("speclm::registered_blocks", fake_registered),
                            ("speclm::registered_blocks_group", fake_group),
                            ("speclm::dequantize_blocks", fake_dequantize),
-                           ("speclm::small_m_attention", fake_attention)):
+                           ("speclm::small_m_attention", fake_attention),
+                           ("speclm::rms_norm", lambda x, w, eps, offset: torch.empty_like(x))):
         try:
             torch.library.register_fake(name)(function)
         except RuntimeError:  # registered already in this process
@@ -343,15 +344,19 @@ def kernel_in_use(model: nn.Module | None) -> bool:
                for m in model.modules())
 
 
+def kernel_runs(model: nn.Module) -> bool:
+    """Whether ``model``'s layers can be swapped for the kernel's: its parameters are float32 on
+    the CPU and the kernel runs in this process."""
+    param = next(model.parameters(), None)
+    return (param is not None and param.device.type == "cpu" and param.dtype == torch.float32
+            and kernel_available())
+
+
 def use_small_m(model: nn.Module) -> int:
     """Swap (in place) every plain ``nn.Linear`` of a float32 CPU ``model`` for a
     :class:`SmallMLinear` sharing its parameters; returns how many were swapped (0 where the
     kernel is unavailable, the model is not float32 on the CPU, or it has no such layers)."""
-    try:
-        param = next(model.parameters())
-    except StopIteration:
-        return 0
-    if param.device.type != "cpu" or param.dtype != torch.float32 or not kernel_available():
+    if not kernel_runs(model):
         return 0
     linears = [m for m in model.modules() if type(m) is nn.Linear]
     for module in linears:
