@@ -64,3 +64,7 @@ def test_the_steady_column_divides_medians_and_skips_phases_without_a_window(ser
         dict(_row("off", 4, 10.0), steady_tok_s=v) for v in (10.0, 10.0, 13.0)]
     on = serve_load.table(results, [4], ["on", "off"], "off").splitlines()[2]
     assert on.startswith("| 4 | on | 10.0 | 1.00x | 13.0 | 1.30x |")
+    # no phase of a server had a window: its steady cells say so instead of printing nan
+    results = [dict(_row(label, 16, 10.0), steady_tok_s=float("nan")) for label in ("on", "off")]
+    on = serve_load.table(results, [16], ["on", "off"], "off").splitlines()[2]
+    assert on.startswith("| 16 | on | 10.0 | 1.00x | – | – |") and "nan" not in on

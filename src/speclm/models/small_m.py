@@ -198,7 +198,7 @@ def _register_fake() -> None:
                            ("speclm::registered_blocks_group", fake_group),
                            ("speclm::dequantize_blocks", fake_dequantize),
                            ("speclm::small_m_attention", fake_attention),
-                           ("speclm::rms_norm", lambda x, w, eps, offset: torch.empty_like(x))):
+                           ("speclm::rms_norm", lambda x, w, eps, offset: x.new_empty(x.shape))):
         try:
             torch.library.register_fake(name)(function)
         except RuntimeError:  # registered already in this process
