@@ -15,6 +15,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -32,8 +33,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    rows = [json.loads(line) for line in open(args.prompts) if line.strip()]
-    prompts = [r["prompt"] if "prompt" in r else r["turns"][0] for r in rows][: args.num_prompts + 1]
+    try:
+        rows = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+        prompts = [r["prompt"] if "prompt" in r else r["turns"][0] for r in rows][: args.num_prompts + 1]
+    except (OSError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise SystemExit(f"--prompts {args.prompts}: not a readable JSON-lines file of 'prompt' or "
+                         f"'turns' rows ({type(exc).__name__}: {exc})") from None
+    if len(prompts) < 2:
+        raise SystemExit(f"--prompts {args.prompts}: needs at least 2 prompts (one warms up), has {len(prompts)}")
     llm = LLM(model=args.model, backend="torch", speculative_model=args.drafter)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     llm.generate(prompts[0], params)  # warm-up: the draft is built, the kernels loaded

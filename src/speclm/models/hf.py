@@ -16,9 +16,9 @@ from ..errors import SpeclmError
 from ..tree import TreeMeta
 from .attention import MASKED_4D, use_gqa_sdpa
 from .base import ForwardOutput
+from .fast_norm import use_fast_norms
 from .hf_kwargs import cache_kwarg
 from .kv_cache import KVCache, check_forward, supports_trees
-from .fast_norm import use_fast_norms
 from .small_m import use_small_m
 
 

@@ -106,11 +106,8 @@ def quantize_weights(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
                if isinstance(m, nn.Linear) and not any(s in name for s in skip)]
     if not linears:
         raise SpeclmError(f"{type(model).__name__} has no nn.Linear layers to quantize")
-    probe = next((m for _, m in linears if not (blocks and _blocks_fit(m))), None)
-    if probe is not None:  # some layer runs on PyTorch's kernels
-        _check(scheme, probe)
-    else:
-        _check(scheme, linears[0][1], blocks=True)  # dtype and device only
+    # a layer that runs on PyTorch's kernels is probed; if every one goes to blocks, none is
+    _check(scheme, next((m for _, m in linears if not (blocks and _blocks_fit(m))), linears[0][1]), blocks)
     if scheme == "int4":
         for name, m in linears:
             _group_size(m.in_features)  # fail before touching the model
