@@ -283,6 +283,19 @@ def test_step_cost_model_interpolates_and_extrapolates():
     assert cost.estimate(92) == pytest.approx(0.17)  # (the last two sizes: 0.53)
 
 
+def test_step_cost_model_never_prices_a_size_above_a_larger_one():
+    """A size measured once in a cold or contended moment (a server's first steps) keeps its
+    slow figure until it is measured again; a larger size measured since bounds it, since a
+    forward over more tokens (or a draft over more rows) does not cost less."""
+    cost = StepCostModel()
+    cost.observe(2, 0.15)  # a cold draft over 2 rows
+    cost.observe(16, 0.06)  # ... and over 16 rows, warm
+    assert cost.estimate(2) == cost.estimate(1) == cost.estimate(10) == 0.06
+    cost.observe(8, 0.04)
+    assert cost.estimate(8) == 0.04 and cost.estimate(12) == pytest.approx(0.05)
+    assert cost.estimate(4) == 0.04  # between 2 (0.15) and 8: no more than 8 costs
+
+
 def test_policy_shrinks_the_draft_as_verification_gets_expensive():
     config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4, probe_share=1.0)
     drafts, alphas = [8] * 16, [0.5] * 16
@@ -348,8 +361,8 @@ def test_policy_probes_within_a_share_of_the_plain_steps_time():
     picks = [policy.choose([8] * 16, [0.5] * 16) for _ in range(50)]
     assert [i for i, k in enumerate(picks) if k] == [19, 39]  # 20 plain steps' 0.2 s x 0.1 pays for it
     policy = steep()
-    asks = [policy.worth_asking(16, [0.5] * 16, 8) for _ in range(20)]
-    assert asks.index(True) == 19 and not any(asks[:19])
+    asks = [policy.plan(16, [0.5] * 16, 8) for _ in range(20)]
+    assert asks == [0] * 19 + [2]  # the probe asks for its short depth only
     cheap = BatchDraftPolicy(config)
     cheap.update(1, 1, 0.010)
     cheap.update(1, 9, 0.018)  # a probe (3 tokens) costs 0.002 s more: due after 4 plain steps
@@ -362,18 +375,19 @@ def test_policy_probes_within_a_share_of_the_plain_steps_time():
 def test_policy_skips_asking_drafters_when_no_draft_could_pay_and_still_probes():
     config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4, probe_share=1.0)
     steep = BatchDraftPolicy(config)  # a CPU-like cost: linear in the tokens fed
-    assert steep.worth_asking(16, [0.5] * 16, 8) is False  # the plain step is not measured yet
+    assert steep.plan(16, [0.5] * 16, 8) == 0  # the plain step is not measured yet
     steep.update(16, 1, 0.010)
     steep.update(16, 9, 0.090)
-    asks = [steep.worth_asking(16, [0.5] * 16, 8) for _ in range(6)]
-    # plain steps 2 and 3 skip the drafters; then a probe is due (every 4th step) and they are asked
-    assert asks == [False, False, True, True, True, True]
-    assert steep.choose([8] * 16, [0.5] * 16) == 2  # ... which choose() runs on the real drafts
+    asks = [steep.plan(16, [0.5] * 16, 8) for _ in range(6)]
+    # plain steps 2 and 3 skip the drafters; then a probe is due (every 4th step) and they are
+    # asked for the probe's depth
+    assert asks == [0, 0, 2, 2, 2, 2]
+    assert steep.choose([2] * 16, [0.5] * 16) == 2  # ... which choose() runs on the real drafts
     cheap = BatchDraftPolicy(config)
     cheap.update(4, 1, 0.010)
     cheap.update(4, 9, 0.011)
-    assert cheap.worth_asking(4, [0.3] * 4, 8) is True
-    assert BatchDraftPolicy(BatchDraftConfig(draft_max=8, adaptive=False)).worth_asking(4, [0.0] * 4, 8)
+    assert cheap.plan(4, [0.3] * 4, 8) > 0  # a wide step costs about what a plain one does
+    assert BatchDraftPolicy(BatchDraftConfig(draft_max=8, adaptive=False)).plan(4, [0.0] * 4, 8) == 8
 
 
 def sliding_model(kind):
@@ -477,24 +491,37 @@ def test_ragged_tree_forward_and_compaction_match_one_row(target):
 
 def test_policy_counts_what_drafting_costs_before_asking():
     """Verification alone says drafting pays (alpha 0.9, a 9-token step costs 1.5 plain ones),
-    but each drafted token costs a draft-model forward per row: once that is measured, a busy
-    batch no longer asks its drafters (prompt lookup's microseconds change nothing)."""
+    but each drafted depth costs a draft-model forward over the rows: once that is measured, a
+    busy batch asks for fewer tokens or none (prompt lookup's microseconds change nothing). The
+    cost is per depth at the batch's size: a batched draft forward of 16 rows costs little more
+    than one of 2, so a price measured on a few rows must not make 16 look 8 times dearer."""
     config = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=1000)
     policy = BatchDraftPolicy(config)
     policy.update(4, 1, 0.040)
     policy.update(4, 9, 0.060)
-    assert policy.worth_asking(4, [0.9] * 4, 8) is True and policy.draft_s_per_token == 0.0
-    policy.update_drafting(0.0004, 32)  # prompt lookup: 32 tokens in 0.4 ms
-    assert policy.worth_asking(4, [0.9] * 4, 8) is True and policy.drafting_pays(4, [0.9] * 4, 8)
-    for _ in range(30):  # a draft model: 32 tokens in 0.32 s, 10 ms a token
-        policy.update_drafting(0.32, 32)
-    assert policy.draft_s_per_token == pytest.approx(0.01, rel=0.05)
-    assert policy.worth_asking(4, [0.9] * 4, 8) is False
+    assert policy.plan(4, [0.9] * 4, 8) == 8 and policy.draft_s(4, 8) == 0.0
+    policy.update_drafting(0.0004, 4, 8)  # prompt lookup: 4 rows x 8 tokens in 0.4 ms
+    assert policy.plan(4, [0.9] * 4, 8) == 8 and policy.drafting_pays(4, [0.9] * 4, 8)
+    for _ in range(30):  # a draft model: 0.08 s a depth
+        policy.update_drafting(0.64, 4, 8)
+    assert policy.draft_s(4, 1) == pytest.approx(0.08, rel=0.05)
+    assert policy.plan(4, [0.9] * 4, 8) == 0
     assert policy.drafting_pays(4, [0.9] * 4, 8) is False  # a joining row's draft skips its prefill
     assert policy.drafting_pays(3, [0.9] * 3, 8) is False  # a size never run: its plain step first
     assert policy.choose([8] * 4, [0.9] * 4) == 8  # drafts already made: their cost is spent
-    policy.update_drafting(0.0, 0)  # a step that drafted nothing keeps the average's ratio
-    assert policy.draft_s_per_token == pytest.approx(0.01, rel=0.05)
+    policy.update_drafting(0.0, 4, 0)  # a step that asked for nothing measures nothing
+    assert policy.draft_s(4, 1) == pytest.approx(0.08, rel=0.05)
+    # a cheaper draft at the same rows: a short depth pays, the full one does not
+    for _ in range(30):
+        policy.update_drafting(0.04, 4, 8)  # 5 ms a depth
+    assert 0 < policy.plan(4, [0.9] * 4, 8) < 8
+    # per depth, by rows: measured at 2 and 16 rows, a size between is interpolated, and a
+    # cost measured at 2 rows alone is not multiplied by the rows
+    rows = BatchDraftPolicy(config)
+    rows.update_drafting(0.02, 2, 2)
+    assert rows.draft_s(16, 1) == pytest.approx(0.01)
+    rows.update_drafting(0.06, 16, 2)
+    assert rows.draft_s(9, 2) == pytest.approx(0.04)
     # a probe drafts too (a draft model first catches up on what it missed): its price waits
     # for a share of that many more plain steps
     probing = BatchDraftConfig(draft_max=8, adaptive=True, probe_every=4, probe_share=0.1)
@@ -503,7 +530,7 @@ def test_policy_counts_what_drafting_costs_before_asking():
         p.update(4, 1, 0.040)
         p.update(4, 9, 0.120)
         p.update(4, 3, 0.060)
-    dear_drafts.update_drafting(0.8, 8)  # 0.1 s a drafted token: a probe drafts 8, 0.8 s
+    dear_drafts.update_drafting(0.8, 4, 2)  # 0.4 s a depth: a probe drafts 2, 0.8 s
     streaks = []
     for p in (cheap_drafts, dear_drafts):
         picks = [p.choose([8] * 4, [0.2] * 4) for _ in range(400)]  # plain wins at alpha 0.2
@@ -514,7 +541,7 @@ def test_policy_counts_what_drafting_costs_before_asking():
     caught_up.update(4, 1, 0.040)
     caught_up.update(4, 9, 0.120)
     caught_up.update(4, 3, 0.060)
-    caught_up.update_drafting(0.0008, 8, catch_up_s=0.8)
-    assert caught_up.draft_s_per_token == pytest.approx(0.0001)
+    caught_up.update_drafting(0.0008, 4, 2, catch_up_s=0.8)
+    assert caught_up.draft_s(4, 1) == pytest.approx(0.0004)
     picks = [caught_up.choose([8] * 4, [0.2] * 4) for _ in range(400)]
     assert 200 <= next(i for i, k in enumerate(picks) if k) <= 206

@@ -457,3 +457,49 @@ def test_batched_draft_rows_draft_what_one_row_drafts(target, workload):
     assert max(rows for rows, _ in calls) == 4
     assert all(forwards <= 2 + 4 for _, forwards in calls)
     assert group._owners == [None] * 4  # every request gave its slot back
+
+
+def test_batched_rows_are_asked_for_the_planned_depth(target, monkeypatch):
+    """With several rows the batch policy plans the depth every row is asked for (a draft
+    model then drafts no depth the verify would cut; 0 asks nobody), and each row's own policy
+    learns its acceptance from the batched rounds but not the batch's time, which is not the
+    row's: a row alone later still times its own drafting."""
+    from .test_batch import oracle_factory
+
+    lm = backend(target)
+    reqs = prompts(3, seed=31)
+    params = SamplingParams(max_tokens=14, ignore_eos=True)
+    continuations = {tuple(p.tolist()): run(lm, p, params)[0] for p in reqs}
+    make = oracle_factory(1.0, continuations)
+    asked = []  # (rows decoding, max_tokens) at each propose
+
+    def factory(handle):
+        drafter = make()
+        propose = drafter.propose
+
+        def recorded(ctx):
+            asked.append((sum(s.decoding for s in engine.running), ctx.max_tokens))
+            return propose(ctx)
+
+        drafter.propose = recorded
+        return drafter
+
+    prior = CostModel([1, 2, 4, 8], [0.002, 0.0022, 0.0025, 0.003])
+    engine = Engine(make_rows(lm, 3), drafter_factory=factory, cost_prior=prior,
+                    draft_length=DraftLengthConfig(6, 0, adaptive=True))
+    plans = iter([2, 0, 3] * 100)
+    monkeypatch.setattr(engine.batch_policy, "plan", lambda batch, alphas, draft_max: next(plans))
+    seqs = [engine.add(f"r{i}", p, params) for i, p in enumerate(reqs)]
+    out = {s.request_id: [] for s in seqs}
+    while engine.has_work:
+        for o in engine.step()[0]:
+            out[o.request_id] += o.step.tokens
+    for seq, p in zip(seqs, reqs):
+        assert out[seq.request_id] == continuations[tuple(p.tolist())]
+    batched = [k for rows, k in asked if rows > 1]
+    assert len(batched) == len(asked)  # the rows ran together to the end
+    assert set(batched) <= {1, 2, 3} and {2, 3} <= set(batched)  # the plans (or a row's budget), never 6
+    for seq in seqs:
+        assert seq.stats.drafted_tokens > 0
+        assert seq.policy.alpha > 0.85  # every draft accepted (prior 0.6): the rows learned it
+        assert seq.policy.t_draft is None and seq.policy.t_verify is None  # the batch's time is not theirs

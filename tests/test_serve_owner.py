@@ -62,7 +62,7 @@ def test_server_steps_its_model_on_the_thread_that_built_it(model_dirs, monkeypa
     from speclm.serve import build
 
     built, stepped = [], []
-    real_build, real_step = build._build_engine, Engine.step
+    real_build, real_step = build.build_engine, Engine.step
 
     def recording_build(opts):
         built.append(threading.get_ident())
@@ -72,7 +72,7 @@ def test_server_steps_its_model_on_the_thread_that_built_it(model_dirs, monkeypa
         stepped.append(threading.get_ident())
         return real_step(self)
 
-    monkeypatch.setattr(build, "_build_engine", recording_build)
+    monkeypatch.setattr(build, "build_engine", recording_build)
     monkeypatch.setattr(Engine, "step", recording_step)
     opts = ServeOptions(model=str(model_dirs["target"]), dtype="float64", max_batch=2,
                         served_model_name="tiny", shutdown_grace_s=1.0)

@@ -179,7 +179,14 @@ class DraftLengthPolicy:
             self.t_token = (1 - w) * self.t_token + w * max(0.0, target_time - self.t_plain) / drafted
         unit = draft_time if self.parallel else draft_time / drafted  # the first draft sets it
         self.t_draft = unit if self.t_draft is None else (1 - w) * self.t_draft + w * unit
-        self.alpha = update_acceptance(self.alpha, drafted, accepted, max(w, 1 / (self._alpha_rounds + 2)))
+        self.observe_acceptance(drafted, accepted)
+
+    def observe_acceptance(self, drafted: int, accepted: int) -> None:
+        """Fold one round's acceptance in, not its timing: a round verified in a batch with
+        other rows, whose time was the batch's (its depth was the batch policy's choice)."""
+        if drafted == 0:
+            return
+        self.alpha = update_acceptance(self.alpha, drafted, accepted, max(self._EMA, 1 / (self._alpha_rounds + 2)))
         self._alpha_rounds += 1
 
 

@@ -317,8 +317,8 @@ class Engine:
             self.batch_policy.update(len(batch), width, elapsed)
             if len(batch) > 1 and any(proposed.asked):  # what asking the drafters cost, less a
                 # catch-up on rounds the rows sat out
-                self.batch_policy.update_drafting(t1 - t0 - proposed.catch_up_s, proposed.drafted,
-                                                  proposed.catch_up_s)
+                self.batch_policy.update_drafting(t1 - t0 - proposed.catch_up_s, len(batch),
+                                                  proposed.asked_depth, proposed.catch_up_s)
         report.batch_size, report.fed_per_row, report.decode_s = len(batch), width, elapsed
         report.draft_s, report.draft_cap, report.catch_up_s = t1 - t0, width - 1, proposed.catch_up_s
         report.policy_plain = report.policy_plain or (width == 1 and report.longest_draft > 0)
@@ -333,7 +333,10 @@ class Engine:
         stats.draft_time_s += report.draft_s
         stats.target_time_s += report.decode_s
         stats.record_round(drafted, accepted, draft.depth)
-        if seq.policy is not None:
+        if seq.policy is not None and report.batch_size > 1:
+            # a shared step's time is the batch's (speclm.batch.draft_policy), not the row's own
+            seq.policy.observe_acceptance(draft.depth, accepted)
+        elif seq.policy is not None:
             # K is a depth; a catch-up on missed rounds is not what drafting K tokens costs
             seq.policy.update(draft.depth, accepted, report.draft_s - report.catch_up_s, report.decode_s)
         seq.alpha = update_acceptance(seq.alpha, drafted, accepted, 0.2)

@@ -1,13 +1,15 @@
 """Step 2 of the engine loop: what each decoding row's drafter proposes this step.
 
-Each row's K comes from its own :class:`~speclm.draft_length.DraftLengthPolicy` (measured
-acceptance and the target's cost), whatever its sampling: a seeded request's tokens do not
-depend on its drafts (speclm.verifier), so its K may follow timing like any other row's. Rows
-whose drafters share a ``batch_group`` (a draft model's rows: drafters/draft_rows.py) draft in
-one call; a row under a grammar gets its
-forced tokens without asking its drafter (speclm.structured). With several rows the batch policy
-(speclm.batch.draft_policy) may find that no draft could pay, or cap deterministic chains by the
-measured cost of the step's (rows x tokens).
+A row alone (a batch of one) drafts the K of its own
+:class:`~speclm.draft_length.DraftLengthPolicy` (measured acceptance and the target's cost),
+whatever its sampling: a seeded request's tokens do not depend on its drafts (speclm.verifier),
+so its K may follow timing like any other row's. With several rows the step's cost is shared,
+so the batch policy (speclm.batch.draft_policy) plans the depth every row is asked for from the
+rows' acceptance and the measured cost of the step's (rows x tokens) and of drafting at that many
+rows (0: a plain step, nobody asked), then may cap deterministic chains further once the drafts
+exist. Rows whose drafters share a ``batch_group`` (a draft model's rows: drafters/draft_rows.py)
+draft in one call; a row under a grammar gets its forced tokens without asking its drafter
+(speclm.structured).
 
 Drafters only propose: what is accepted is the verifier's business (speclm.verifier).
 """
@@ -32,6 +34,7 @@ class Proposed:
     longest: int  # the deepest draft before the batch cap (0: a plain step)
     skipped: bool  # the batch policy found that no draft could pay: nobody was asked
     drafted: int = 0  # tokens the drafters proposed, over all rows, before the batch cap
+    asked_depth: int = 0  # the most tokens a row was asked for (0: none asked)
     catch_up_s: float = 0.0  # of the drafting time, what rows behind by missed rounds spent catching up
 
 
@@ -41,10 +44,12 @@ class Proposals:
     def __init__(self, draft_length: DraftLengthConfig, batch_policy: BatchDraftPolicy | None) -> None:
         self.draft_length = draft_length
         self.batch_policy = batch_policy
+        self._plan: int | None = None  # this step's planned depth (None: rows decide)
+        self._asked_depth = 0  # this step's deepest ask so far
 
     def __call__(self, batch: list[Sequence]) -> Proposed:
-        worth = self._worth_asking(batch)
-        if worth:
+        self._plan, self._asked_depth = self._planned(batch), 0
+        if self._plan != 0:
             proposals, catch_up_s = self._proposals(batch)
         else:  # no draft could pay this step: plain, without asking the drafters
             proposals, catch_up_s = [(Draft.empty(), False)] * len(batch), 0.0
@@ -53,7 +58,8 @@ class Proposals:
         drafted = sum(d.num_tokens for d in drafts)
         if len(batch) > 1 and self.batch_policy is not None and longest:
             drafts = self._cap(batch, drafts)
-        return Proposed(drafts, [a for _, a in proposals], longest, not worth, drafted, catch_up_s)
+        return Proposed(drafts, [a for _, a in proposals], longest, self._plan == 0, drafted=drafted,
+                        asked_depth=self._asked_depth, catch_up_s=catch_up_s)
 
     def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
         """The row's draft for this step, and whether its drafter was asked. Under a grammar,
@@ -92,16 +98,24 @@ class Proposals:
         return [found[b] if b in found else self._propose(seq) for b, seq in enumerate(batch)], catch_up_s
 
     def _ask(self, seq: Sequence) -> DraftContext | None:
-        """What the row's drafter is asked to draft this step (None: a plain step). A row's
-        first round drafts only what keeps its first token from waiting long for the draft
-        (``DraftLengthPolicy.first_round``)."""
+        """What the row's drafter is asked to draft this step (None: a plain step). Under a
+        batch plan, the plan's depth (an ``auto`` drafter measuring its candidates keeps its own
+        say below it); alone, the row's own policy, and a row's first round drafts only what
+        keeps its first token from waiting long for the draft (``DraftLengthPolicy.first_round``)."""
         if seq.policy is None:
             return None
-        k_max = min(seq.policy.next_k(getattr(seq.drafter, "probing", False)), seq.budget - 1)
-        if seq.generated == 0:
-            k_max = seq.policy.first_round(k_max)
+        probing = getattr(seq.drafter, "probing", False)
+        if self._plan is None:
+            k_max = min(seq.policy.next_k(probing), seq.budget - 1)
+            if seq.generated == 0:
+                k_max = seq.policy.first_round(k_max)
+        else:  # the batch's plan: the step's drafting is shared, so the row's own timing is moot
+            # (at least draft_min: a shorter draft would be dropped unverified)
+            planned = max(self._plan, self.draft_length.draft_min)
+            k_max = min(planned, seq.policy.next_k(True) if probing else planned, seq.budget - 1)
         if k_max <= 0:
             return None
+        self._asked_depth = max(self._asked_depth, k_max)
         timed = self.draft_length.adaptive and seq.policy.knows_cost
         return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
                             seq.policy.verify_s if timed else None,
@@ -118,15 +132,16 @@ class Proposals:
             return Draft.empty()
         return draft
 
-    def _worth_asking(self, batch: list[Sequence]) -> bool:
-        """Whether the rows' drafters are asked this step. With several rows the batch policy
-        may find that no draft could pay (speclm.batch.draft_policy); rows under a grammar are
-        always asked (their forced tokens cost no drafting)."""
+    def _planned(self, batch: list[Sequence]) -> int | None:
+        """The depth every row is asked for this step, from the batch policy's plan
+        (speclm.batch.draft_policy; 0: nobody is asked), or None: each row's own policy decides
+        (a row alone, no batch policy, or rows under a grammar, whose forced tokens cost no
+        drafting and are always asked for)."""
         if len(batch) < 2 or self.batch_policy is None or all(s.policy is None for s in batch):
-            return True  # (no drafters: nothing to skip)
+            return None  # (no drafters: nothing to skip)
         if any(s.grammar is not None for s in batch):
-            return True
-        return self.batch_policy.worth_asking(len(batch), row_alphas(batch), self.draft_length.draft_max)
+            return None
+        return self.batch_policy.plan(len(batch), row_alphas(batch), self.draft_length.draft_max)
 
     def _cap(self, batch: list[Sequence], drafts: list[Draft]) -> list[Draft]:
         """With several rows, cap deterministic chains by the batch's measured step cost.

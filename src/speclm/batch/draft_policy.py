@@ -25,18 +25,19 @@ before the plain steps since the last probe have run long enough that the probe'
 over 16 rows on a CPU costs several plain steps (16 rows x 4 tokens through every weight), so a
 busy server probes rarely, where a single row's probe costs little and comes often.
 
-Before the rows draft, :meth:`BatchDraftPolicy.worth_asking` also counts what drafting costs:
-the seconds the step's drafting took per token drafted (:meth:`~BatchDraftPolicy.update_drafting`,
-an average over recent steps), times the tokens a cap K would draft, is added to the step's cost.
-Prompt lookup's drafts cost microseconds and change nothing; a draft model whose rows draft one
-forward each per depth (a compiled draft of the target's own 4-bit blocks: ~10 ms a token a row on
-2 cores) would otherwise be asked for 16 rows x K tokens a step that the verify alone says pay.
-Once the drafts exist their cost is spent, so :meth:`~BatchDraftPolicy.choose` caps them by the
-verify's cost alone. A probe's price counts the drafting too: a draft model's rows that sat out
-plain steps first catch up on every token they missed (a prompt's worth each), which on 16 rows
-made a probe cost seconds. That catch-up is measured apart (batched draft rows report it) and
-prices probes only: a one-time cost averaged into the cost per drafted token made drafting look
-several times dearer than it is once the rows are in step.
+Before the rows draft, :meth:`BatchDraftPolicy.plan` picks the cap the drafters are asked for,
+counting what drafting costs too: seconds per drafted depth as a function of the rows asked
+(:meth:`~BatchDraftPolicy.update_drafting`, learned like the step cost), times the depth. A draft
+model drafts every row with one batched forward per depth (drafters/draft_rows.py,
+drafters/shared_cache.py), so 16 rows cost a small multiple of one row's depth, not 16 times it:
+priced per drafted token, the few-row steps of a server's ramp made a 16-row draft look several
+times dearer than it is, and a busy server's rows never drafted. Prompt lookup's drafts cost
+microseconds and change nothing. Asking for the planned depth, not ``draft_max``, spares the
+depths the verify would cut; once the drafts exist their cost is spent, so
+:meth:`~BatchDraftPolicy.choose` caps them by the verify's cost alone. A probe's price counts the
+drafting too: a draft model's rows that sat out plain steps first catch up on every token they
+missed (a prompt's worth each), which on 16 rows made a probe cost seconds. That catch-up is
+measured apart (batched draft rows report it) and prices probes only.
 """
 
 from __future__ import annotations
@@ -90,18 +91,25 @@ class StepCostModel:
         return tokens in self._seconds
 
     def estimate(self, tokens: int) -> float | None:
-        """Measured, interpolated or extrapolated seconds; None before any measurement."""
+        """Measured, interpolated or extrapolated seconds; None before any measurement. Never
+        more than a larger measured size costs: a forward over more tokens (or rows) does not
+        cost less, so a size whose only measurements came from a cold or contended moment (a
+        server's first steps, a size visited once) is priced by the larger sizes measured since."""
         sizes, secs = self._sizes, self._seconds
         if not sizes:
             return None
-        if tokens in secs:
-            return secs[tokens]
         i = bisect.bisect_left(sizes, tokens)
-        if i == 0:
-            return secs[sizes[0]]
-        if i < len(sizes):  # between two measured sizes
-            lo, hi = sizes[i - 1], sizes[i]
-            return secs[lo] + (secs[hi] - secs[lo]) * (tokens - lo) / (hi - lo)
+        if i == len(sizes):
+            return self._extrapolate(tokens)
+        cap = min(secs[s] for s in sizes[i:])  # the cheapest size at least this large
+        if i == 0 or sizes[i] == tokens:
+            return cap
+        lo, hi = sizes[i - 1], sizes[i]  # between two measured sizes
+        return min(secs[lo] + (secs[hi] - secs[lo]) * (tokens - lo) / (hi - lo), cap)
+
+    def _extrapolate(self, tokens: int) -> float:
+        """Past the largest measured size."""
+        sizes, secs = self._sizes, self._seconds
         if len(sizes) == 1:
             return secs[sizes[0]]  # optimistic: explore upward once
         # the slope over the whole measured range: two neighbouring sizes a few tokens apart
@@ -134,44 +142,47 @@ class BatchDraftPolicy:
             self.cost.observe(self._computed(1, tokens), seconds)
         self._plain_streak = 0
         self._probe_interval = config.probe_every
-        self._draft_seconds = self._draft_tokens = 0.0  # recent drafting time and tokens (averages)
+        self.drafting = StepCostModel()  # seconds per drafted depth, by the rows of the step
         self._catch_up_s = 0.0  # seconds a step spent catching rows up on missed rounds (recent average)
 
-    @property
-    def draft_s_per_token(self) -> float:
-        """Seconds of drafting per token drafted, over recent steps (0 before any)."""
-        return self._draft_seconds / self._draft_tokens if self._draft_tokens > 0 else 0.0
+    def draft_s(self, batch: int, depth: int) -> float:
+        """Expected seconds of drafting ``depth`` tokens for each of ``batch`` rows (0 before
+        any drafting was measured: the first drafts are how it is learned)."""
+        per_depth = self.drafting.estimate(batch)
+        return 0.0 if per_depth is None or depth <= 0 else per_depth * depth
 
-    def update_drafting(self, seconds: float, tokens: int, catch_up_s: float = 0.0) -> None:
-        """Record one step's drafting: ``seconds`` spent, ``tokens`` drafted over all rows (a
-        step that drafted nothing still counts its time); apart from it, ``catch_up_s`` that
-        rows which sat out rounds spent feeding the tokens they missed (their prompts too).
-        That is paid once when drafting resumes, so it prices a probe, not a drafted token:
-        averaged in, one probe's catch-up made drafting look several times dearer than it is,
-        and the rows then sat out for good."""
-        e = StepCostModel._EMA
-        self._draft_seconds = (1 - e) * self._draft_seconds + e * seconds
-        self._draft_tokens = (1 - e) * self._draft_tokens + e * tokens
+    def update_drafting(self, seconds: float, batch: int, depth: int, catch_up_s: float = 0.0) -> None:
+        """Record one step's drafting: ``seconds`` spent asking ``batch`` rows for up to
+        ``depth`` tokens each; apart from it, ``catch_up_s`` that rows which sat out rounds spent
+        feeding the tokens they missed (their prompts too). That is paid once when drafting
+        resumes, so it prices a probe, not a drafted depth: averaged in, one probe's catch-up
+        made drafting look several times dearer than it is, and the rows then sat out for good."""
+        if depth > 0:
+            self.drafting.observe(batch, max(0.0, seconds) / depth)
         if catch_up_s > 0:
+            e = StepCostModel._EMA
             old = self._catch_up_s
             self._catch_up_s = catch_up_s if old == 0.0 else (1 - e) * old + e * catch_up_s
 
-    def worth_asking(self, batch: int, alphas: list[float], draft_max: int) -> bool:
-        """Before any row drafts: could a cap K > 0 win this step if every row drafted
-        ``draft_max`` tokens? That bounds what the real drafts can earn at the same cost, so
-        False is what :meth:`choose` would decide after drafting, and the drafters need not be
-        asked: a busy server whose steps run plain saves every row's drafting work.
-        A False counts as a plain step; when a probe is due the answer is True."""
-        if self.drafting_pays(batch, alphas, draft_max):
-            return True
+    def plan(self, batch: int, alphas: list[float], draft_max: int) -> int:
+        """Before any row drafts: the depth to ask each row for (0: a plain step, the drafters
+        not asked). The K with the best expected rate if every row drafted it, drafting
+        included; a probe's short depth when one is due. The drafts the rows return can only
+        earn less at the same cost, so :meth:`choose` may cut them further, never widen them.
+        A plain answer counts as a plain step."""
+        if not self.config.adaptive or draft_max < 1:
+            return draft_max
+        best = self._best([draft_max] * batch, alphas, [False] * batch, drafting=True)
+        if best > 0:
+            return best
         if self._probe_due(batch, self._plain_streak + 1):
-            return True  # choose() runs the probe on the real drafts
+            return min(draft_max, _PROBE_K)  # choose() runs the probe on the real drafts
         self._plain_streak += 1
-        return False
+        return 0
 
     def drafting_pays(self, batch: int, alphas: list[float], draft_max: int) -> bool:
         """Whether a step of ``batch`` rows is expected to draft at all (what
-        :meth:`worth_asking` finds, without counting a plain step or a probe). False while the
+        :meth:`plan` finds, without counting a plain step or a probe). False while the
         plain step of this size is unmeasured: the first such step runs plain. The engine skips
         a joining row's draft prefill when False: the drafters sit out under this load."""
         if not self.config.adaptive or draft_max < 1:
@@ -211,7 +222,7 @@ class BatchDraftPolicy:
         if plain is None or probe is None:
             return True
         # a draft model's probe also drafts, and first catches its rows up on what they missed
-        drafting = self.draft_s_per_token * batch * _PROBE_K + self._catch_up_s
+        drafting = self.draft_s(batch, _PROBE_K) + self._catch_up_s
         return probe - plain + drafting <= self.config.probe_share * streak * plain
 
     def _best(self, draft_lengths: list[int], alphas: list[float], fixed: list[bool],
@@ -229,8 +240,8 @@ class BatchDraftPolicy:
             tokens = sum(expected_tokens(d if f else min(d, k), a)
                          for d, a, f in zip(draft_lengths, alphas, fixed))
             seconds = self.cost.estimate(size)
-            if drafting:
-                seconds += self.draft_s_per_token * sum(d if f else min(d, k) for d, f in zip(draft_lengths, fixed))
+            if drafting:  # one forward per depth drafts every row (or each row in turn)
+                seconds += self.draft_s(batch, max(min(k, max(draft_lengths)), floor))
             rate = tokens / seconds
             if k == 0 or rate > best_rate:
                 best_k, best_rate = k, rate

@@ -98,7 +98,7 @@ def build_app(opts: ServeOptions):
 
     owner = OwnerThread()
     try:
-        llm, engine = owner.call(_build_engine, opts)
+        llm, engine = owner.call(build_engine, opts)
     except BaseException:
         owner.close()
         raise
@@ -110,7 +110,7 @@ def build_app(opts: ServeOptions):
     return create_app(ServerState(llm, worker, metrics, config))
 
 
-def _build_engine(opts: ServeOptions):
+def build_engine(opts: ServeOptions):
     """The model, its rows, one drafter per request and the engine over them, warmed up."""
     from ..api import LLM
     from ..drafters.base import max_draft_tokens
