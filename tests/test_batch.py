@@ -294,6 +294,15 @@ def test_step_cost_model_never_prices_a_size_above_a_larger_one():
     cost.observe(8, 0.04)
     assert cost.estimate(8) == 0.04 and cost.estimate(12) == pytest.approx(0.05)
     assert cost.estimate(4) == 0.04  # between 2 (0.15) and 8: no more than 8 costs
+    # a prior's figure (one row of 8 tokens) bounds nothing: 4 rows run one by one cost more
+    priced = StepCostModel()
+    priced.observe(8, 0.003, prior=True)
+    priced.observe(4, 0.02)
+    assert priced.estimate(4) == 0.02 and priced.estimate(8) == 0.003
+    priced.observe(8, 0.04)  # a real step of that size replaces the prior's figure at once
+    assert priced.estimate(8) == 0.04
+    priced.observe(8, 0.001, prior=True)  # ... and a prior no longer moves it
+    assert priced.estimate(8) == 0.04 and priced.estimate(6) == 0.03
 
 
 def test_policy_shrinks_the_draft_as_verification_gets_expensive():

@@ -10,10 +10,11 @@ last (the *pending* token). One :meth:`Engine.step`:
    long prompt never holds running rows up for more than about one chunk's forward (a draft
    model's cache takes the same chunks, unless the batch policy finds that no draft pays at
    the batch's size: then the drafters sit out, and a row catches up when first asked to draft);
-2. draft (speclm.proposals): each decoding row's drafter proposes up to the row's K (its own
-   measured acceptance and the target's cost: :class:`~speclm.draft_length.DraftLengthPolicy`),
-   a chain or a token tree; with several rows the batch policy may cap deterministic chains
-   further, from the measured cost of the step's (rows x tokens) (speclm.batch.draft_policy);
+2. draft (speclm.proposals): each decoding row's drafter proposes a chain or a token tree; a
+   row alone up to its own K (its measured acceptance and the target's cost:
+   :class:`~speclm.draft_length.DraftLengthPolicy`), several rows up to the depth the batch
+   policy plans from the measured cost of the step's (rows x tokens) and of drafting at that
+   many rows, which may then cap deterministic chains further (speclm.batch.draft_policy);
 3. verify: one target forward runs ``[pending_b, d_b1 .. d_bk]`` for every row at its own
    positions (logits [B, T, V]); the one verifier judges each row with the row's own sampling
    params and generator, so a row's tokens never depend on its neighbours;
@@ -317,8 +318,10 @@ class Engine:
             self.batch_policy.update(len(batch), width, elapsed)
             if len(batch) > 1 and any(proposed.asked):  # what asking the drafters cost, less a
                 # catch-up on rounds the rows sat out
+                # per draft forward: the deepest draft made (p_min or the context may stop a
+                # draft short of what was asked; nothing drafted measures no depth)
                 self.batch_policy.update_drafting(t1 - t0 - proposed.catch_up_s, len(batch),
-                                                  proposed.asked_depth, proposed.catch_up_s)
+                                                  proposed.longest, proposed.catch_up_s)
         report.batch_size, report.fed_per_row, report.decode_s = len(batch), width, elapsed
         report.draft_s, report.draft_cap, report.catch_up_s = t1 - t0, width - 1, proposed.catch_up_s
         report.policy_plain = report.policy_plain or (width == 1 and report.longest_draft > 0)

@@ -34,7 +34,6 @@ class Proposed:
     longest: int  # the deepest draft before the batch cap (0: a plain step)
     skipped: bool  # the batch policy found that no draft could pay: nobody was asked
     drafted: int = 0  # tokens the drafters proposed, over all rows, before the batch cap
-    asked_depth: int = 0  # the most tokens a row was asked for (0: none asked)
     catch_up_s: float = 0.0  # of the drafting time, what rows behind by missed rounds spent catching up
 
 
@@ -45,10 +44,9 @@ class Proposals:
         self.draft_length = draft_length
         self.batch_policy = batch_policy
         self._plan: int | None = None  # this step's planned depth (None: rows decide)
-        self._asked_depth = 0  # this step's deepest ask so far
 
     def __call__(self, batch: list[Sequence]) -> Proposed:
-        self._plan, self._asked_depth = self._planned(batch), 0
+        self._plan = self._planned(batch)
         if self._plan != 0:
             proposals, catch_up_s = self._proposals(batch)
         else:  # no draft could pay this step: plain, without asking the drafters
@@ -59,7 +57,7 @@ class Proposals:
         if len(batch) > 1 and self.batch_policy is not None and longest:
             drafts = self._cap(batch, drafts)
         return Proposed(drafts, [a for _, a in proposals], longest, self._plan == 0, drafted=drafted,
-                        asked_depth=self._asked_depth, catch_up_s=catch_up_s)
+                        catch_up_s=catch_up_s)
 
     def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
         """The row's draft for this step, and whether its drafter was asked. Under a grammar,
@@ -115,7 +113,6 @@ class Proposals:
             k_max = min(planned, seq.policy.next_k(True) if probing else planned, seq.budget - 1)
         if k_max <= 0:
             return None
-        self._asked_depth = max(self._asked_depth, k_max)
         timed = self.draft_length.adaptive and seq.policy.knows_cost
         return DraftContext(seq.committed, k_max, seq.params, seq.generator, seq.slot,
                             seq.policy.verify_s if timed else None,
@@ -141,7 +138,9 @@ class Proposals:
             return None  # (no drafters: nothing to skip)
         if any(s.grammar is not None for s in batch):
             return None
-        return self.batch_policy.plan(len(batch), row_alphas(batch), self.draft_length.draft_max)
+        draft_max = self.draft_length.draft_max
+        caps = [0 if s.policy is None else max(0, min(draft_max, s.budget - 1)) for s in batch]
+        return self.batch_policy.plan(len(batch), row_alphas(batch), draft_max, caps)
 
     def _cap(self, batch: list[Sequence], drafts: list[Draft]) -> list[Draft]:
         """With several rows, cap deterministic chains by the batch's measured step cost.

@@ -78,13 +78,22 @@ class StepCostModel:
     def __init__(self) -> None:
         self._sizes: list[int] = []  # sorted measured sizes
         self._seconds: dict[int, float] = {}
+        self._prior: set[int] = set()  # sizes known only from a prior (one row's forwards)
 
-    def observe(self, tokens: int, seconds: float) -> None:
+    def observe(self, tokens: int, seconds: float, prior: bool = False) -> None:
+        """Record a step of ``tokens`` that took ``seconds``; ``prior``: a figure from elsewhere
+        (the target's single-row cost model), which bounds no other size until a real step of
+        its size replaces it (a row-by-row backend's 8 rows cost 8 forwards, not one of 8)."""
         old = self._seconds.get(tokens)
-        if old is None:
-            bisect.insort(self._sizes, tokens)
+        if old is None or tokens in self._prior:
+            if old is None:
+                bisect.insort(self._sizes, tokens)
             self._seconds[tokens] = seconds
-        else:
+            if prior:
+                self._prior.add(tokens)
+            else:
+                self._prior.discard(tokens)
+        elif not prior:
             self._seconds[tokens] = (1 - self._EMA) * old + self._EMA * seconds
 
     def measured(self, tokens: int) -> bool:
@@ -101,9 +110,10 @@ class StepCostModel:
         i = bisect.bisect_left(sizes, tokens)
         if i == len(sizes):
             return self._extrapolate(tokens)
-        cap = min(secs[s] for s in sizes[i:])  # the cheapest size at least this large
+        # the cheapest size at least this large that real steps measured
+        cap = min((secs[s] for s in sizes[i:] if s not in self._prior), default=float("inf"))
         if i == 0 or sizes[i] == tokens:
-            return cap
+            return min(secs[sizes[i]], cap)
         lo, hi = sizes[i - 1], sizes[i]  # between two measured sizes
         return min(secs[lo] + (secs[hi] - secs[lo]) * (tokens - lo) / (hi - lo), cap)
 
@@ -139,7 +149,7 @@ class BatchDraftPolicy:
         self.cost = StepCostModel()
         self._computed = computed or (lambda rows, width: rows * width)
         for tokens, seconds in zip(prior.widths, prior.seconds) if prior is not None else ():
-            self.cost.observe(self._computed(1, tokens), seconds)
+            self.cost.observe(self._computed(1, tokens), seconds, prior=True)
         self._plain_streak = 0
         self._probe_interval = config.probe_every
         self.drafting = StepCostModel()  # seconds per drafted depth, by the rows of the step
@@ -164,15 +174,17 @@ class BatchDraftPolicy:
             old = self._catch_up_s
             self._catch_up_s = catch_up_s if old == 0.0 else (1 - e) * old + e * catch_up_s
 
-    def plan(self, batch: int, alphas: list[float], draft_max: int) -> int:
+    def plan(self, batch: int, alphas: list[float], draft_max: int, caps: list[int] | None = None) -> int:
         """Before any row drafts: the depth to ask each row for (0: a plain step, the drafters
         not asked). The K with the best expected rate if every row drafted it, drafting
         included; a probe's short depth when one is due. The drafts the rows return can only
         earn less at the same cost, so :meth:`choose` may cut them further, never widen them.
-        A plain answer counts as a plain step."""
+        A plain answer counts as a plain step. ``caps``: the most each row can draft (its
+        remaining budget; 0 without a drafter), ``draft_max`` each if not given."""
         if not self.config.adaptive or draft_max < 1:
             return draft_max
-        best = self._best([draft_max] * batch, alphas, [False] * batch, drafting=True)
+        lengths = [min(c, draft_max) for c in caps] if caps is not None else [draft_max] * batch
+        best = self._best(lengths, alphas, [False] * batch, drafting=True)
         if best > 0:
             return best
         if self._probe_due(batch, self._plain_streak + 1):
