@@ -21,6 +21,8 @@ import statistics
 import time
 
 from speclm import SamplingParams
+from speclm.errors import SpeclmError
+from speclm.models.quantize import CHOICES
 from speclm.prompts import load_prompts, spread
 from speclm.serve.build import ServeOptions, build_engine
 
@@ -61,6 +63,10 @@ def run_phase(llm, engine, prompts: list[str], clients: int, requests: int, max_
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--backend", default="auto", choices=["auto", "torch", "llamacpp"],
+                    help="both engines' --backend (default: %(default)s)")
+    ap.add_argument("--compile", action="store_true", help="both engines on the compiled static-cache path")
+    ap.add_argument("--quantize", choices=CHOICES, default=None, help="both engines' --quantize")
     ap.add_argument("--drafter", default="ngram", help="the drafting engine's --drafter (default: %(default)s)")
     ap.add_argument("--prompts", required=True, help="JSON lines with a 'prompt' or Spec-Bench 'turns' field")
     ap.add_argument("--num-prompts", type=int, default=32, help="prompts spread over the file's categories")
@@ -78,12 +84,17 @@ def main() -> None:
         raise SystemExit(f"--prompts {args.prompts}: not a readable JSON-lines prompts file ({exc})") from None
     if not prompts:
         raise SystemExit(f"--prompts {args.prompts}: no prompts")
-    configs = {"spec": ServeOptions(model=args.model, drafter=args.drafter, max_batch=args.clients),
-               "off": ServeOptions(model=args.model, speculative=False, max_batch=args.clients)}
+    target = dict(model=args.model, backend=args.backend, compile=args.compile, quantize=args.quantize,
+                  max_batch=args.clients)
+    configs = {"spec": ServeOptions(drafter=args.drafter, **target),
+               "off": ServeOptions(speculative=False, **target)}
     built = {}
     for name, opts in configs.items():
-        opts.check()
-        built[name] = build_engine(opts)
+        try:
+            opts.check()
+            built[name] = build_engine(opts)
+        except SpeclmError as exc:
+            raise SystemExit(f"{name}: {exc}") from None
     rates: dict[str, list[float]] = {name: [] for name in configs}
     first: dict[str, dict] = {}
     for r in range(args.rounds + 1):  # round 0 warms up (and lets the batch policy learn)

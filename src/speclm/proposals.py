@@ -33,7 +33,6 @@ class Proposed:
     asked: list[bool]  # whether the row's drafter was asked (it then hears the verdict)
     longest: int  # the deepest draft before the batch cap (0: a plain step)
     skipped: bool  # the batch policy found that no draft could pay: nobody was asked
-    drafted: int = 0  # tokens the drafters proposed, over all rows, before the batch cap
     catch_up_s: float = 0.0  # of the drafting time, what rows behind by missed rounds spent catching up
 
 
@@ -53,11 +52,9 @@ class Proposals:
             proposals, catch_up_s = [(Draft.empty(), False)] * len(batch), 0.0
         drafts = [d for d, _ in proposals]
         longest = max(d.depth for d in drafts)
-        drafted = sum(d.num_tokens for d in drafts)
         if len(batch) > 1 and self.batch_policy is not None and longest:
             drafts = self._cap(batch, drafts)
-        return Proposed(drafts, [a for _, a in proposals], longest, self._plan == 0, drafted=drafted,
-                        catch_up_s=catch_up_s)
+        return Proposed(drafts, [a for _, a in proposals], longest, self._plan == 0, catch_up_s=catch_up_s)
 
     def _propose(self, seq: Sequence) -> tuple[Draft, bool]:
         """The row's draft for this step, and whether its drafter was asked. Under a grammar,

@@ -253,7 +253,7 @@ class BatchDraftPolicy:
                          for d, a, f in zip(draft_lengths, alphas, fixed))
             seconds = self.cost.estimate(size)
             if drafting:  # one forward per depth drafts every row (or each row in turn)
-                seconds += self.draft_s(batch, max(min(k, max(draft_lengths)), floor))
+                seconds += self.draft_s(batch, max(k, floor))
             rate = tokens / seconds
             if k == 0 or rate > best_rate:
                 best_k, best_rate = k, rate
