@@ -21,4 +21,8 @@ if [ -z "$wheel" ]; then
     "$PYTHON" -m pip wheel -q --no-deps --no-cache-dir "llama-cpp-python==$VERSION" -w "$CACHE"
     wheel=$(ls "$CACHE"/llama_cpp_python-"$VERSION"-*.whl | head -n 1)
 fi
+# --force-reinstall: a llama-cpp-python that pip built itself (say, by installing speclm's
+# [test] or [llamacpp] extra first) has the same version and would otherwise stay, with
+# -march=native's AMX kernels (see ggml-cpu-flags.sh); --no-deps keeps its dependencies as they are
+"$PYTHON" -m pip install -q --force-reinstall --no-deps "$wheel"
 "$PYTHON" -m pip install -q "$wheel"

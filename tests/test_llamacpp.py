@@ -9,12 +9,16 @@ llama-cpp-python's prompt lookup) must run and match it too. Skipped without lla
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import types
+
 import pytest
 import torch
 
 from speclm import LLM, SamplingParams
 from speclm.errors import CacheContractError, SpeclmError
-from speclm.models.llamacpp import llama_cpp_available
+from speclm.models.llamacpp import amx_kernels_built, import_llama_cpp, llama_cpp_available
 from speclm.tree import TreeMeta
 
 pytestmark = [pytest.mark.real_model,
@@ -41,6 +45,23 @@ def test_auto_picks_llamacpp_for_gguf_and_torch_when_needed(llm):
     assert llm.backend_name == "llamacpp"
     assert LLM("default").backend_name == "llamacpp"  # auto: a GGUF file on the CPU
     assert LLM("default", dtype="float32").backend_name == "torch"  # a torch-only option
+
+
+def test_amx_kernels_are_detected(tmp_path):
+    """A llama-cpp-python built with ggml's AMX kernels (pip's own -march=native build on an AMX
+    CPU, where they crash in llama_decode) is recognised, so the backend keeps its weights out of
+    them; the build the tests run on (scripts/build-llama-cpp.sh) has none."""
+    assert not amx_kernels_built(import_llama_cpp())
+    if shutil.which("g++") is None:
+        pytest.skip("no g++ to build a stand-in library")
+    lib = tmp_path / "llama_cpp" / "lib"
+    lib.mkdir(parents=True)
+    (tmp_path / "amx.cpp").write_text("void *ggml_backend_amx_buffer_type() { return nullptr; }\n")
+    subprocess.run(["g++", "-shared", "-fPIC", str(tmp_path / "amx.cpp"), "-o", str(lib / "libggml-cpu.so")],
+                   check=True)
+    fake = types.ModuleType("llama_cpp")
+    fake.__file__ = str(tmp_path / "llama_cpp" / "__init__.py")
+    assert amx_kernels_built(fake)
 
 
 def test_logits_close_to_torch_backend(llm, ids):

@@ -24,6 +24,8 @@ backend; everything else runs here unchanged.
 from __future__ import annotations
 
 import ctypes
+import functools
+import logging
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -35,6 +37,8 @@ from ..errors import CacheContractError, SpeclmError
 from ..tree import TreeMeta
 from .base import ForwardOutput
 from .kv_cache import check_forward, check_rollback
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'speclm[llamacpp]' (or: pip install llama-cpp-python)"
 MAX_TREE_NODES = 62  # sequence ids 1..62 for tree nodes, 0 for the committed tokens
@@ -95,6 +99,31 @@ def llama_cpp_available() -> bool:
     return importlib.util.find_spec("llama_cpp") is not None
 
 
+_AMX_SYMBOL = "_Z28ggml_backend_amx_buffer_typev"  # ggml_backend_amx_buffer_type() (C++)
+
+
+@functools.cache
+def amx_kernels_built(lc) -> bool:
+    """Whether this llama-cpp-python's CPU backend holds ggml's AMX kernels: pip's own build of
+    the package compiles with ``-march=native``, which turns them on for Sapphire Rapids and
+    newer CPUs, and on such a CPU they crash in ``llama_decode`` on the default model's Q4_1
+    weights (scripts/build-llama-cpp.sh builds without them)."""
+    for so in sorted((Path(lc.__file__).parent / "lib").glob("libggml*.so*")):
+        try:
+            if hasattr(ctypes.CDLL(str(so)), _AMX_SYMBOL):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+@functools.cache
+def _warn_amx_once() -> None:
+    log.warning("speclm: this llama-cpp-python was built with ggml's AMX kernels, which crash on "
+                "this CPU; running without them (and without weight repacking). Rebuild it without "
+                "them: scripts/build-llama-cpp.sh")
+
+
 class LlamaCppModel:
     """The loaded weights (``llama_model``), shared by every context made from them."""
 
@@ -103,6 +132,11 @@ class LlamaCppModel:
         lc.llama_backend_init()
         params = lc.llama_model_default_params()
         params.n_gpu_layers = 0
+        if amx_kernels_built(lc):
+            # weights in plain CPU buffers never reach the AMX kernels (nor the repacked
+            # layouts, which the same switch turns off): slower on some files, but no crash
+            params.use_extra_bufts = False
+            _warn_amx_once()
         self.ptr = lc.llama_model_load_from_file(str(gguf).encode(), params)
         if not self.ptr:
             detail = last_native_error()
