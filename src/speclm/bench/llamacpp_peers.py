@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from ..errors import SpeclmError
-from ..models.llamacpp import LlamaCppModel, import_llama_cpp
+from ..models.llamacpp import LlamaCppModel, amx_kernels_built, import_llama_cpp
 from ..sampling import SamplingParams
 from .methods import MethodSpec
 
@@ -73,7 +73,10 @@ class LlamaCppPlainPeer:
 
 class LlamaCppLookupPeer:
     def __init__(self, spec: MethodSpec, gguf, eos_token_ids: frozenset[int], n_ctx: int = 4096) -> None:
-        import_llama_cpp()
+        lc = import_llama_cpp()
+        if amx_kernels_built(lc):  # llama-cpp-python's Llama loads every weight into them
+            raise SpeclmError("the llamacpp-lookup peer cannot run on this llama-cpp-python build: its AMX "
+                              "kernels crash on this CPU; rebuild it with scripts/build-llama-cpp.sh")
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
