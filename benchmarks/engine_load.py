@@ -27,9 +27,13 @@ from speclm.prompts import load_prompts, spread
 from speclm.serve.build import ServeOptions, build_engine
 
 
-def run_phase(llm, engine, prompts: list[str], clients: int, requests: int, max_tokens: int) -> dict:
-    """``requests`` greedy requests, ``clients`` at a time, through ``engine`` until done."""
-    todo = [llm.encode(prompts[i % len(prompts)]) for i in range(requests)]
+def run_phase(llm, engine, prompts: list[str], clients: int, requests: int, max_tokens: int,
+              chat: bool = False) -> dict:
+    """``requests`` greedy requests, ``clients`` at a time, through ``engine`` until done;
+    ``chat``: each prompt a user turn in the model's chat template (as the server's chat
+    endpoint renders it), else the text as it is."""
+    todo = [llm.encode([{"role": "user", "content": prompts[i % len(prompts)]}] if chat
+                       else prompts[i % len(prompts)]) for i in range(requests)]
     tokens: dict[str, list[int]] = {}
     steps: collections.Counter = collections.Counter()  # (rows, draft cap) -> steps
     draft_s = verify_s = 0.0
@@ -74,6 +78,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=48, help="requests a phase")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="measured rounds, after one warm-up round")
+    ap.add_argument("--chat", action="store_true",
+                    help="send each prompt as a user turn in the model's chat template (what "
+                         "benchmarks/serve_load.py's chat requests get); default: the text as it is")
     args = ap.parse_args()
     if min(args.clients, args.requests, args.rounds, args.max_tokens) < 1:
         raise SystemExit("--clients, --requests, --rounds and --max-tokens must be >= 1")
@@ -95,11 +102,16 @@ def main() -> None:
             built[name] = build_engine(opts)
         except SpeclmError as exc:
             raise SystemExit(f"{name}: {exc}") from None
+    if args.chat:
+        try:
+            built["off"][0].encode([{"role": "user", "content": prompts[0]}])
+        except SpeclmError as exc:
+            raise SystemExit(f"--chat: {exc}") from None
     rates: dict[str, list[float]] = {name: [] for name in configs}
     first: dict[str, dict] = {}
     for r in range(args.rounds + 1):  # round 0 warms up (and lets the batch policy learn)
         for name in (["off", "spec"] if r % 2 == 0 else ["spec", "off"]):
-            phase = run_phase(*built[name], prompts, args.clients, args.requests, args.max_tokens)
+            phase = run_phase(*built[name], prompts, args.clients, args.requests, args.max_tokens, args.chat)
             first.setdefault(name, phase)
             label = "warm-up" if r == 0 else f"round {r}"
             print(f"{label} {name:4}: {phase['rate']:6.2f} tok/s, {phase['count']} tokens, drafting "
