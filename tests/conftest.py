@@ -8,6 +8,7 @@ single-token and multi-token forwards numerically equal, so greedy identity is e
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 from pathlib import Path
 
@@ -27,6 +28,15 @@ CORPUS = [
     "héllo wörld — naïve café, 日本語のテキスト, emoji 🙂 and more unicode ✓",
     "def add(a, b):\n    return a + b\n",
 ]
+
+
+def load_benchmark(name: str):
+    """``benchmarks/<name>.py`` imported as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_config(vocab_size: int, *, seed_layers: int = 2, max_positions: int = 256) -> LlamaConfig:

@@ -4,14 +4,13 @@ summary lines come out; bad settings are refused in one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "engine_load.py"
+from .conftest import load_benchmark
+
 TINY = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, hidden_size=32, intermediate_size=64,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
             max_position_embeddings=512, tie_word_embeddings=True)
@@ -19,10 +18,7 @@ TINY = dict(model_type="llama", hidden_act="silu", rms_norm_eps=1e-5, hidden_siz
 
 @pytest.fixture(scope="module")
 def engine_load():
-    spec = importlib.util.spec_from_file_location("engine_load", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("engine_load")
 
 
 @pytest.fixture

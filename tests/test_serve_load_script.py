@@ -3,20 +3,14 @@ and ratios (the servers themselves are exercised by the benchmark, not here)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+from .conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def serve_load():
-    spec = importlib.util.spec_from_file_location("serve_load", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("serve_load")
 
 
 def test_server_specs_name_a_program_and_keep_its_flags(serve_load):
