@@ -180,26 +180,3 @@ def test_a_first_round_drafts_what_keeps_the_first_token_from_waiting():
     fixed.update(0, 0, 0.0, 0.1)
     fixed.start_from(0.9, t_draft=0.08)
     assert fixed.first_round(8) == 8  # fixed mode drafts draft_max every round
-
-
-def _probe_gaps(t_draft: float, rounds: int = 400) -> list[int]:
-    """Rounds between the drafts of a row whose drafts are always rejected, verify 1 + 0.3 K plain
-    steps, each drafted token costing ``t_draft``."""
-    policy = DraftLengthPolicy(DraftLengthConfig(draft_max=8, adaptive=True, probe_every=8))
-    drafted_at = []
-    for i in range(rounds):
-        k = policy.next_k()
-        policy.update(k, 0, t_draft * k, 1.0 + 0.3 * k)
-        if k:
-            drafted_at.append(i)
-    return [b - a for a, b in zip(drafted_at[len(drafted_at) // 2:], drafted_at[len(drafted_at) // 2 + 1:])]
-
-
-def test_a_probe_waits_until_the_plain_rounds_cover_its_drafting():
-    """Prompt lookup's drafting is nearly free: a probe every ``probe_every`` plain rounds. A
-    drafter paying half a plain step per drafted token probes only once the rounds since the
-    last probe took 1 / probe_share times its drafting (K = 1: 0.5 / 0.02 = 25 rounds)."""
-    free = _probe_gaps(0.0)
-    assert free and set(free) == {8}  # the probe is the eighth round after the last one
-    dear = _probe_gaps(0.5)
-    assert dear and set(dear) == {25}

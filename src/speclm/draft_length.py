@@ -19,8 +19,7 @@ forward of T tokens, timed once per model and backend and cached) scaled by a mo
 measured / predicted step times, so the policy knows from the first round whether a wide verify is nearly free (a GPU) or costs ~0.3 plain steps per token
 (llama.cpp on a CPU). Without a cost model it is learned from the rounds themselves as
 ``t_plain + K * t_token``. K == 0 (a plain step) wins when drafting cannot pay; a draft is then
-still tried every ``probe_every`` rounds (or, where drafting itself is dear, once the plain rounds'
-time covers its drafting at ``probe_share``) so the acceptance estimate can recover. That probe is
+still tried every ``probe_every`` rounds so the acceptance estimate can recover. That probe is
 short: the K the cost model favours at an optimistic acceptance (``PROBE_ALPHA``), so on a
 backend where each drafted token costs ~0.6 plain steps (llama.cpp on a CPU) a probe that
 misses costs about one step, not a K = 10 verify; where a verify is nearly free it is long. The
@@ -54,13 +53,10 @@ class DraftLengthConfig:
     draft_min: int = 0  # drafts shorter than this are discarded
     adaptive: bool = False
     probe_every: int = 8
-    probe_share: float = 0.02  # ... once those plain rounds' time covers the probe's drafting at this share
 
     def __post_init__(self) -> None:
         if self.draft_max < 1:
             raise SpeclmError(f"draft max (num_speculative_tokens) must be >= 1, got {self.draft_max}")
-        if not 0 < self.probe_share <= 1:
-            raise SpeclmError(f"probe share must be in (0, 1], got {self.probe_share}")
         if not 0 <= self.draft_min <= self.draft_max:
             raise SpeclmError(
                 f"draft min must be in [0, draft max={self.draft_max}], got {self.draft_min}"
@@ -141,24 +137,10 @@ class DraftLengthPolicy:
         best_k = self._best_k(self.alpha)
         if best_k == 0:
             self._plain_streak += 1
-            probe = max(cfg.draft_min, 1, self._best_k(max(self.alpha, PROBE_ALPHA)))
-            if exploring or self._probe_due(probe):
+            if self._plain_streak >= cfg.probe_every or exploring:
                 self._plain_streak = 0
-                return probe
+                return max(cfg.draft_min, 1, self._best_k(max(self.alpha, PROBE_ALPHA)))
         return best_k
-
-    def _probe_due(self, k: int) -> bool:
-        """Whether a probe of ``k`` tokens runs now: ``probe_every`` plain rounds have passed, and
-        its drafting costs at most ``probe_share`` of their time. A drafter that pays a forward per
-        round (EAGLE's head catching up on the features of the rounds it sat out, a draft model)
-        then probes every few dozen rounds, not every eighth: at one client such probes cost the
-        shipped EAGLE head ~8% of a compiled server's time for 0.3 tokens each. Prompt lookup's
-        drafting is nearly free, so it probes as before; a verify's own extra cost is not counted,
-        since a drafter that finds nothing (no match) verifies a plain step."""
-        cfg = self.config
-        if self._plain_streak < cfg.probe_every:
-            return False
-        return self.draft_s(k) <= cfg.probe_share * self._plain_streak * self.verify_s(0)
 
     @property
     def _top(self) -> int:
