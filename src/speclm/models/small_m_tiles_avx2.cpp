@@ -29,6 +29,7 @@
 namespace {
 
 constexpr int64_t kCols = speclm::kTileCols;  // weight rows per group (two 8-lane halves here)
+constexpr int64_t kPrefetch = 2048;  // bytes ahead asked into L1, as in small_m_tiles.cpp
 
 inline __m256i broadcast4(const int8_t* x) {  // 4 activation bytes, to all 8 lanes
   int32_t four;
@@ -76,6 +77,13 @@ void avx2_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, 
       std::fill(offset.begin(), offset.end(), _mm256_setzero_ps());
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = codes + (g * nb + b) * bytes + 32 * half;
+        if (half == 0) {  // as small_m_tiles.cpp: the blocks kPrefetch bytes ahead, into L1 (the second half reads them from there)
+          const uint8_t* ahead = codes + (g * nb + b) * bytes + kPrefetch;
+          for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(scale + (g * nb + b) * kCols + kPrefetch / 4), _MM_HINT_T0);
+          if (minimum != nullptr)
+            _mm_prefetch(reinterpret_cast<const char*>(minimum + (g * nb + b) * kCols + kPrefetch / 4), _MM_HINT_T0);
+        }
         __m256i wr[8], wa[8];
         for (int i = 0; i < 8; ++i) {
           if (Bits == 8) {
