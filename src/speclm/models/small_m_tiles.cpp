@@ -66,13 +66,8 @@ inline void unpack4(const uint8_t* p, int c, __m512i& even, __m512i& odd) {
 // One group of 16 weight rows times R activation rows, R known at compile time so that the R rows'
 // sums stay in registers from the first block to the last (kept in memory, each block and row
 // paid two loads and two stores beside its 8 vpdpbusd); the group's blocks are unpacked once for
-// the R rows, and read again from the caches for the next R.
+// the R rows, and read again from the caches for the next R; the blocks ahead are prefetched.
 constexpr int kRowChunk = 8;  // rows per pass over a group: 8 x 2 sums and 8 weight vectors fit the 32 registers
-// bytes ahead of the block being multiplied that are asked into L1 (the same distance into the
-// scales and minimums, a quarter as large): without it the products of a few rows wait on memory
-// (benchmarks/small_m_gemm.py on a Zen 4 VM: 1 row 2.0 -> 1.6 ms, 8 rows 3.4 -> 2.8 ms; 1024 and
-// 4096 bytes measured alike)
-constexpr int64_t kPrefetch = 2048;
 
 template <int Bits, bool Signed, int R>
 inline void vnni_group_rows(const int8_t* qx, const float* dx, const float* sx, const int32_t* taken, int64_t K,
@@ -85,10 +80,7 @@ inline void vnni_group_rows(const int8_t* qx, const float* dx, const float* sx, 
   for (int r = 0; r < R; ++r) acc[r] = offset[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = codes + b * bytes;
-    // the group's later blocks, and past its last one the next group's (groups lie one after another)
-    for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + c), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(scale + b * kCols + kPrefetch / 4), _MM_HINT_T0);
-    if (!Signed) _mm_prefetch(reinterpret_cast<const char*>(minimum + b * kCols + kPrefetch / 4), _MM_HINT_T0);
+    speclm::prefetch_ahead(p, bytes, scale + b * kCols, Signed ? nullptr : minimum + b * kCols);
     __m512i wr[8];  // the block's 8 tile rows, as unsigned bytes
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {

@@ -29,7 +29,6 @@
 namespace {
 
 constexpr int64_t kCols = speclm::kTileCols;  // weight rows per group (two 8-lane halves here)
-constexpr int64_t kPrefetch = 2048;  // bytes ahead asked into L1, as in small_m_tiles.cpp
 
 inline __m256i broadcast4(const int8_t* x) {  // 4 activation bytes, to all 8 lanes
   int32_t four;
@@ -77,13 +76,9 @@ void avx2_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, 
       std::fill(offset.begin(), offset.end(), _mm256_setzero_ps());
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* p = codes + (g * nb + b) * bytes + 32 * half;
-        if (half == 0) {  // as small_m_tiles.cpp: the blocks kPrefetch bytes ahead, into L1 (the second half reads them from there)
-          const uint8_t* ahead = codes + (g * nb + b) * bytes + kPrefetch;
-          for (int64_t c = 0; c < bytes; c += 64) _mm_prefetch(reinterpret_cast<const char*>(ahead + c), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(scale + (g * nb + b) * kCols + kPrefetch / 4), _MM_HINT_T0);
-          if (minimum != nullptr)
-            _mm_prefetch(reinterpret_cast<const char*>(minimum + (g * nb + b) * kCols + kPrefetch / 4), _MM_HINT_T0);
-        }
+        const int64_t at = (g * nb + b) * kCols + 8 * half;
+        if (half == 0)  // the blocks ahead, into L1 (the second half reads this group from there)
+          speclm::prefetch_ahead(codes + (g * nb + b) * bytes, bytes, scale + at, minimum != nullptr ? minimum + at : nullptr);
         __m256i wr[8], wa[8];
         for (int i = 0; i < 8; ++i) {
           if (Bits == 8) {
@@ -95,7 +90,6 @@ void avx2_groups(const int8_t* qx, const float* dx, const float* sx, int64_t M, 
             wr[i + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
           }
         }
-        const int64_t at = (g * nb + b) * kCols + 8 * half;
         const __m256 ws = _mm256_loadu_ps(scale + at);
         const __m256 wm = minimum != nullptr ? _mm256_loadu_ps(minimum + at) : _mm256_setzero_ps();
         for (int64_t r = 0; r < M; ++r) {
