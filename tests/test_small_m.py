@@ -136,6 +136,23 @@ def test_attention_kernel_matches_sdpa_and_a_query_is_the_same_alone_or_among_ot
         torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 1, 256), (8, 1, 64), (6, 2, 40)])
+def test_attention_kernel_gives_a_head_the_same_bits_whichever_heads_share_its_pass(cpu_kernel, heads, kv_heads, dim):
+    """The query heads of one key/value head run together (up to 3 a pass): each head's output is
+    what it is when it runs alone or beside other heads."""
+    gen = torch.Generator().manual_seed(heads * dim)
+    query = torch.randn(2, heads, 5, dim, generator=gen)
+    key, value = (torch.randn(2, kv_heads, 70, dim, generator=gen) for _ in range(2))
+    mask = torch.where(torch.rand(2, 1, 5, 70, generator=gen) < 0.7, 0.0, _MASKED)
+    got = cpu_kernel.small_m_attention(query, key, value, mask, dim ** -0.5)  # [B, T, H, D]
+    group = heads // kv_heads
+    for h in range(heads):
+        g = h // group
+        alone = cpu_kernel.small_m_attention(query[:, h : h + 1], key[:, g : g + 1], value[:, g : g + 1], mask,
+                                             dim ** -0.5)
+        assert torch.equal(alone[:, :, 0], got[:, :, h])
+
+
 def test_a_float32_model_computes_a_verify_s_rows_bit_for_bit_as_its_steps(cpu_kernel):
     """Linear layers and attention both row-invariant: the logits of T tokens fed at once are
     the logits of the same tokens fed one at a time (the attention fallback, SDPA, is not)."""

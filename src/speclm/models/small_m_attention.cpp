@@ -7,10 +7,14 @@
 // head for each query head that reads it. Here each (row, query head) reads its key/value head in
 // place and only the slots its mask lets it see, so the cost follows the filled length.
 //
-// Every (batch row, head, query row) is computed on its own in one fixed order (scores over the
+// Every (batch row, head, query row) is computed in one fixed order of its own (scores over the
 // visible slots in ascending order, the maximum, the exponentials (a vectorized polynomial) summed
 // in 8 lanes in slot order, the values accumulated in registers in a fixed order of the slots), so
 // a query row's output has the same bits whether it is alone in a step or among others in a verify.
+// The query heads that share a key/value head (grouped-query attention) run together, up to
+// kSharedHeads at a time, each slot's key and value loaded once for all of them: the cache is read
+// from L2 once per group instead of once per head, and each head's arithmetic is what it would be
+// alone (a head's output has the same bits whichever heads run beside it).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -35,39 +39,57 @@ inline float dot(const float* a, const float* b, int64_t D) {
   return s;
 }
 
-// q . k[slot[j]] for 8 slots at once (head size a multiple of 8): one accumulator per slot, then
-// the 8 sums reduced together (horizontal adds): a fixed order for each slot, whatever its batch.
-// A slice of q is loaded once for the 8 slots. With AVX-512 (head size a multiple of 16) each
-// slot's accumulator has 16 lanes, folded to 8 before the same horizontal adds.
-inline __m256 dot8(const float* q, const float* k, int64_t stride, const int64_t* slot, int64_t D) {
-  const float* kj[8];
-  for (int j = 0; j < 8; ++j) kj[j] = k + slot[j] * stride;
-  __m256 a[8];
-#if defined(__AVX512F__)
-  if (D % 16 == 0) {
-    __m512 w[8];
-    const __m512 q0 = _mm512_loadu_ps(q);
-    for (int j = 0; j < 8; ++j) w[j] = _mm512_mul_ps(q0, _mm512_loadu_ps(kj[j]));
-    for (int64_t d = 16; d < D; d += 16) {
-      const __m512 qd = _mm512_loadu_ps(q + d);
-      for (int j = 0; j < 8; ++j) w[j] = _mm512_fmadd_ps(qd, _mm512_loadu_ps(kj[j] + d), w[j]);
-    }
-    for (int j = 0; j < 8; ++j)
-      a[j] = _mm256_add_ps(_mm512_castps512_ps256(w[j]),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[j]), 1)));
-  } else
-#endif
-  {
-    const __m256 q0 = _mm256_loadu_ps(q);
-    for (int j = 0; j < 8; ++j) a[j] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[j]));
-    for (int64_t d = 8; d < D; d += 8) {
-      const __m256 qd = _mm256_loadu_ps(q + d);
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj[j] + d), a[j]);
-    }
-  }
+constexpr int kSharedHeads = 3;  // query heads per pass over their key/value head (3 x 8 sums in registers)
+
+// The 8 sums of a[0..7]'s lanes, reduced together (horizontal adds): a fixed tree for each.
+inline __m256 fold8(const __m256* a) {
   const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
   const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// q[h] . k[slot[j]] for NH query heads and 8 slots at once (head size a multiple of 8), into
+// out[h]: one accumulator per (head, slot), then each head's 8 sums folded together. A slice of
+// q[h] is loaded once for the 8 slots. With AVX-512 (head size a multiple of 16) each accumulator
+// has 16 lanes, folded to 8 before the same horizontal adds, and a slot's slice of k is loaded
+// once for the NH heads.
+template <int NH>
+inline void dot8(const float* const* q, const float* k, int64_t stride, const int64_t* slot, int64_t D, __m256* out) {
+  const float* kj[8];
+  for (int j = 0; j < 8; ++j) kj[j] = k + slot[j] * stride;
+  __m256 a[NH][8];
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 w[NH][8], qd[NH];
+    for (int h = 0; h < NH; ++h) qd[h] = _mm512_loadu_ps(q[h]);
+    for (int j = 0; j < 8; ++j) {
+      const __m512 kd = _mm512_loadu_ps(kj[j]);
+      for (int h = 0; h < NH; ++h) w[h][j] = _mm512_mul_ps(qd[h], kd);
+    }
+    for (int64_t d = 16; d < D; d += 16) {
+      for (int h = 0; h < NH; ++h) qd[h] = _mm512_loadu_ps(q[h] + d);
+      for (int j = 0; j < 8; ++j) {
+        const __m512 kd = _mm512_loadu_ps(kj[j] + d);
+        for (int h = 0; h < NH; ++h) w[h][j] = _mm512_fmadd_ps(qd[h], kd, w[h][j]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int j = 0; j < 8; ++j)
+        a[h][j] = _mm256_add_ps(_mm512_castps512_ps256(w[h][j]),
+                                _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[h][j]), 1)));
+  } else
+#endif
+  {
+    for (int h = 0; h < NH; ++h) {  // 16 registers on AVX2: one head at a time
+      const __m256 q0 = _mm256_loadu_ps(q[h]);
+      for (int j = 0; j < 8; ++j) a[h][j] = _mm256_mul_ps(q0, _mm256_loadu_ps(kj[j]));
+      for (int64_t d = 8; d < D; d += 8) {
+        const __m256 qd = _mm256_loadu_ps(q[h] + d);
+        for (int j = 0; j < 8; ++j) a[h][j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kj[j] + d), a[h][j]);
+      }
+    }
+  }
+  for (int h = 0; h < NH; ++h) out[h] = fold8(a[h]);
 }
 
 // The slots [0, end) a query row sees, in ascending order, into slot[0, n), and its mask's bias for
@@ -142,38 +164,10 @@ inline float exponentials(const float* score, int64_t n, float top, float* e) {
   return speclm::reduce(total);
 }
 
-// out[D] = sum over j of e[j] * v[seen[j]] / total, each output the same chain of fused
-// multiply-adds whatever else runs. With AVX-512 (D a multiple of 16, at most 128): all of D in
-// one pass, the slots split into two interleaved chains (even and odd j, added at the end), so
-// one slot's adds do not wait on the previous slot's; otherwise 32 outputs at a time, one chain
-// in slot order.
-inline void weighted_values(const float* e, const int64_t* seen, int64_t n, float total, const float* v,
-                            int64_t stride, float* out, int64_t D) {
-#if defined(__AVX512F__)
-  if (D % 16 == 0 && D <= 128) {
-    const int64_t c = D / 16;
-    __m512 even[8], odd[8];
-    for (int64_t i = 0; i < c; ++i) even[i] = odd[i] = _mm512_setzero_ps();
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {
-      const float* r0 = v + seen[j] * stride;
-      const float* r1 = v + seen[j + 1] * stride;
-      const __m512 p0 = _mm512_set1_ps(e[j]), p1 = _mm512_set1_ps(e[j + 1]);
-      for (int64_t i = 0; i < c; ++i) {
-        even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * i), even[i]);
-        odd[i] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(r1 + 16 * i), odd[i]);
-      }
-    }
-    if (j < n) {
-      const float* r0 = v + seen[j] * stride;
-      const __m512 p0 = _mm512_set1_ps(e[j]);
-      for (int64_t i = 0; i < c; ++i) even[i] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(r0 + 16 * i), even[i]);
-    }
-    const __m512 inv = _mm512_set1_ps(1.0f / total);
-    for (int64_t i = 0; i < c; ++i) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(_mm512_add_ps(even[i], odd[i]), inv));
-    return;
-  }
-#endif
+// out[D] = sum over j of e[j] * v[seen[j]] / total, 32 outputs at a time, one chain of fused
+// multiply-adds in slot order (AVX2, or a head size AVX-512's loop does not take).
+inline void weighted_values_one(const float* e, const int64_t* seen, int64_t n, float total, const float* v,
+                                int64_t stride, float* out, int64_t D) {
   const __m256 inv = _mm256_set1_ps(1.0f / total);
   int64_t d = 0;
   for (; d + 32 <= D; d += 32) {
@@ -190,6 +184,89 @@ inline void weighted_values(const float* e, const int64_t* seen, int64_t n, floa
     for (int64_t j = 0; j < n; ++j) acc = std::fma(e[j], v[seen[j] * stride + d], acc);
     out[d] = acc * (1.0f / total);
   }
+}
+
+// out[h][D] = sum over j of e[h][j] * v[seen[j]] / total[h] for NH heads reading one value head,
+// each output the same chain of fused multiply-adds whatever else runs. With AVX-512 (D a multiple
+// of 16): 16 outputs of every head at a time, the slots split into two interleaved chains (even
+// and odd j, added at the end) so that one slot's adds do not wait on the previous slot's, each
+// slot's 16 values loaded once for the NH heads; otherwise weighted_values_one for each head.
+template <int NH>
+inline void weighted_values(const float* const* e, const int64_t* seen, int64_t n, const float* total,
+                            const float* v, int64_t stride, float* const* out, int64_t D) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    for (int64_t i = 0; i < D; i += 16) {
+      __m512 even[NH], odd[NH];
+      for (int h = 0; h < NH; ++h) even[h] = odd[h] = _mm512_setzero_ps();
+      int64_t j = 0;
+      for (; j + 2 <= n; j += 2) {
+        const __m512 v0 = _mm512_loadu_ps(v + seen[j] * stride + i);
+        const __m512 v1 = _mm512_loadu_ps(v + seen[j + 1] * stride + i);
+        for (int h = 0; h < NH; ++h) {
+          even[h] = _mm512_fmadd_ps(_mm512_set1_ps(e[h][j]), v0, even[h]);
+          odd[h] = _mm512_fmadd_ps(_mm512_set1_ps(e[h][j + 1]), v1, odd[h]);
+        }
+      }
+      if (j < n) {
+        const __m512 v0 = _mm512_loadu_ps(v + seen[j] * stride + i);
+        for (int h = 0; h < NH; ++h) even[h] = _mm512_fmadd_ps(_mm512_set1_ps(e[h][j]), v0, even[h]);
+      }
+      for (int h = 0; h < NH; ++h)
+        _mm512_storeu_ps(out[h] + i, _mm512_mul_ps(_mm512_add_ps(even[h], odd[h]), _mm512_set1_ps(1.0f / total[h])));
+    }
+    return;
+  }
+#endif
+  for (int h = 0; h < NH; ++h) weighted_values_one(e[h], seen, n, total[h], v, stride, out[h], D);
+}
+
+// Attention of NH query heads (q[h], out[h]) that read one key/value head (k, v) over the n slots
+// seen[0, n) with their mask's biases; score and weight hold NH rows of L floats.
+template <int NH>
+void heads(const float* const* q, const float* k, int64_t kstride, const float* v, int64_t vstride,
+           const int64_t* seen, const float* bias, int64_t n, int64_t L, float sc, float* score, float* weight,
+           float* const* out, int64_t D) {
+  if (n == 0) {  // nothing visible: zeros
+    for (int h = 0; h < NH; ++h) std::fill(out[h], out[h] + D, 0.0f);
+    return;
+  }
+  float* s[NH];
+  float top[NH], total[NH];
+  for (int h = 0; h < NH; ++h) {
+    s[h] = score + h * L;
+    std::copy_n(bias, n, s[h]);
+    top[h] = -std::numeric_limits<float>::infinity();
+  }
+  int64_t j = 0;
+  if (D % 8 == 0) {  // 8 slots at a time: score = dot * scale + bias (rounded as written)
+    const __m256 scv = _mm256_set1_ps(sc);
+    __m256 topv[NH], dots[NH];
+    for (int h = 0; h < NH; ++h) topv[h] = _mm256_set1_ps(top[h]);
+    for (; j + 8 <= n; j += 8) {
+      dot8<NH>(q, k, kstride, seen + j, D, dots);
+      for (int h = 0; h < NH; ++h) {
+        const __m256 x = _mm256_add_ps(_mm256_mul_ps(dots[h], scv), _mm256_loadu_ps(s[h] + j));
+        _mm256_storeu_ps(s[h] + j, x);
+        topv[h] = _mm256_max_ps(topv[h], x);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, topv[h]);
+      for (const float l : lanes) top[h] = std::max(top[h], l);
+    }
+  }
+  const float* e[NH];
+  for (int h = 0; h < NH; ++h) {
+    for (int64_t i = j; i < n; ++i) {
+      s[h][i] = dot(q[h], k + seen[i] * kstride, D) * sc + s[h][i];
+      top[h] = std::max(top[h], s[h][i]);
+    }
+    total[h] = exponentials(s[h], n, top[h], weight + h * L);
+    e[h] = weight + h * L;
+  }
+  weighted_values<NH>(e, seen, n, total, v, vstride, out, D);
 }
 
 // query [B, H, T, D], key/value [B, H_kv, L, D] (any strides, the last one 1), mask [B | 1, 1, T, L]:
@@ -234,50 +311,42 @@ at::Tensor small_m_attention(const at::Tensor& query, const at::Tensor& key, con
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
 
-  // one parallel loop over (batch row, query row, head), heads innermost: a thread finds a query
-  // row's visible slots and their mask's bias once for the heads it takes of that row
-  at::parallel_for(0, B * T * H, 1, [&](int64_t i0, int64_t i1) {
+  // one parallel loop over (batch row, query row, key/value head, share of its query heads), shares
+  // innermost: a thread finds a query row's visible slots and their mask's bias once for the
+  // shares it takes of that row. A key/value head's `group` query heads are split into `shares`
+  // runs of at most kSharedHeads (as even as they go: 4 -> 2 + 2).
+  const int64_t shares = (group + kSharedHeads - 1) / kSharedHeads, per = (group + shares - 1) / shares;
+  at::parallel_for(0, B * T * Hkv * shares, 1, [&](int64_t i0, int64_t i1) {
     // no zeroing where each is written before it is read
     std::unique_ptr<int64_t[]> seen(new int64_t[L]);
-    std::unique_ptr<float[]> bias(new float[L]), score(new float[L]), weight(new float[L]);
+    std::unique_ptr<float[]> bias(new float[L]), score(new float[kSharedHeads * L]), weight(new float[kSharedHeads * L]);
     int64_t row = -1, n = 0;  // the (batch row, query row) whose slots are in seen[0, n)
     for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i / (T * H), t = (i / H) % T, h = i % H, g = h / group;
-      if (i / H != row) {
-        row = i / H;
+      const int64_t per_row = Hkv * shares;
+      const int64_t b = i / (T * per_row), t = (i / per_row) % T, g = (i / shares) % Hkv, share = i % shares;
+      if (i / per_row != row) {
+        row = i / per_row;
         n = visible(mp == nullptr ? nullptr : mp + b * ms0 + t * ms2, mb == nullptr ? nullptr : mb + b * ms0 + t * ms2,
                     ms3, masked ? L : L - T + t + 1, seen.get(), bias.get());
       }
-      const float* q = qp + b * query.stride(0) + h * query.stride(1) + t * query.stride(2);
+      const int64_t h0 = g * group + share * per, nh = std::min(per, group - share * per);  // 1 .. kSharedHeads
+      const float* q[kSharedHeads];
+      float* o[kSharedHeads];
+      for (int64_t h = 0; h < nh; ++h) {
+        q[h] = qp + b * query.stride(0) + (h0 + h) * query.stride(1) + t * query.stride(2);
+        o[h] = op + ((b * T + t) * H + h0 + h) * D;
+      }
       const float* k = kp + b * key.stride(0) + g * key.stride(1);
       const float* v = vp + b * value.stride(0) + g * value.stride(1);
-      float* o = op + ((b * T + t) * H + h) * D;
-      if (n == 0) {  // nothing visible: zeros
-        std::fill(o, o + D, 0.0f);
-        continue;
+      auto run = [&](auto count) {
+        heads<decltype(count)::value>(q, k, key.stride(2), v, value.stride(2), seen.get(), bias.get(), n, L, sc,
+                                      score.get(), weight.get(), o, D);
+      };
+      switch (nh) {
+        case 3: run(std::integral_constant<int, 3>{}); break;
+        case 2: run(std::integral_constant<int, 2>{}); break;
+        default: run(std::integral_constant<int, 1>{}); break;
       }
-      std::copy_n(bias.get(), n, score.get());
-      float top = -std::numeric_limits<float>::infinity();
-      int64_t j = 0;
-      if (D % 8 == 0) {  // 8 slots at a time: score = dot * scale + bias (rounded as written)
-        const __m256 scv = _mm256_set1_ps(sc);
-        __m256 topv = _mm256_set1_ps(top);
-        for (; j + 8 <= n; j += 8) {
-          const __m256 x = _mm256_add_ps(_mm256_mul_ps(dot8(q, k, key.stride(2), seen.get() + j, D), scv),
-                                         _mm256_loadu_ps(score.get() + j));
-          _mm256_storeu_ps(score.get() + j, x);
-          topv = _mm256_max_ps(topv, x);
-        }
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, topv);
-        for (const float l : lanes) top = std::max(top, l);
-      }
-      for (; j < n; ++j) {
-        score[j] = dot(q, k + seen[j] * key.stride(2), D) * sc + score[j];
-        top = std::max(top, score[j]);
-      }
-      const float total = exponentials(score.get(), n, top, weight.get());
-      weighted_values(weight.get(), seen.get(), n, total, v, value.stride(2), o, D);
     }
   });
   return out;
