@@ -7,9 +7,12 @@ a row's cells are always the bottom of its stream and cutting a rejected draft o
 leaves a hole (the unified cache's holes give wrong logits for multi-token batches in this
 llama.cpp version: see llamacpp.py). A step puts every row's tokens into one batch, tagged with
 the row's sequence id, at the row's own positions; llama.cpp runs them as one graph when every
-row brings the same number of tokens, in several otherwise (its ``split_equal``). So ragged rows
-are right-padded to the widest row when that costs few extra tokens (the padding's cells are
-dropped right after the forward), and fed ragged when it would not.
+row brings the same number of tokens, in several otherwise (its ``split_equal``: about one graph
+per distinct row length). On a CPU an extra graph costs about what two more tokens cost in one
+(it reads the weights again; a token's arithmetic is the rest): so ragged rows are right-padded to
+the widest row only when the padding adds at most ``PAD_TOKENS_PER_GRAPH`` tokens per graph it
+saves (the padding's cells are dropped right after the forward), and fed ragged otherwise. A
+prompt's chunks, hundreds of tokens of arithmetic per row, are then never padded to each other.
 
 Slots map to sequence ids indirectly: moving or swapping rows (the engine keeps decoding rows in
 the first slots) renames, and never copies a stream. Rows are laid out in the batch in order of
@@ -37,7 +40,19 @@ from .rows import RowsOutput
 if TYPE_CHECKING:
     from .llamacpp import LlamaCppLM
 
-PAD_WASTE = 0.5  # pad ragged rows to one graph while padding adds at most this share of tokens
+# pad ragged rows to one graph while the padding adds at most this many tokens per graph saved:
+# measured on 2-core Zen 4 and Sapphire Rapids VMs (default model), a graph's fixed cost is ~2
+# tokens' worth (benchmarks/llamacpp_pad.py)
+PAD_TOKENS_PER_GRAPH = 2
+
+
+def pad_width(num_fed: list[int]) -> int:
+    """The width to right-pad ragged rows to for one graph, or 0 to feed them ragged: padding
+    pays while it adds at most ``PAD_TOKENS_PER_GRAPH`` tokens per graph it saves (llama.cpp
+    makes about one graph per distinct row length)."""
+    widest, real = max(num_fed), sum(num_fed)
+    waste = len(num_fed) * widest - real
+    return widest if 0 < waste <= PAD_TOKENS_PER_GRAPH * (len(set(num_fed)) - 1) else 0
 
 
 class LlamaCppRows:
@@ -134,10 +149,10 @@ class LlamaCppRows:
                     n = min(self.max_tokens, num_fed[b] - lo)
                     self._run([(b, slot, ids[b, lo: lo + n], n)], logits, out, offset=lo)
             return RowsOutput(out)
-        padded = len(slots) * max(num_fed)
-        pad = (padded > real and padded - real <= PAD_WASTE * real and padded <= self.max_tokens
-               and all(self._length[s] + max(num_fed) <= self.max_context for s in slots))
-        width_fed = max(num_fed) if pad else 0
+        width_fed = pad_width(num_fed)
+        if len(slots) * width_fed > self.max_tokens or any(
+                self._length[s] + width_fed > self.max_context for s in slots):
+            width_fed = 0
         items = [(b, slot, ids[b, : (width_fed or num_fed[b])], num_fed[b])
                  for b, slot in enumerate(slots)]
         self._run(items, logits, out)
