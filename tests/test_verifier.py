@@ -245,3 +245,23 @@ def test_tiny_temperature_generates_the_greedy_text(model_dirs):
         out = llm.generate("the quick brown fox", SamplingParams(temperature=t, max_tokens=12,
                                                                  ignore_eos=True, seed=3))[0]
         assert out.token_ids == greedy.token_ids and out.text
+
+
+def test_argmax_last_gives_torchs_indices_ties_nans_and_views_included():
+    from speclm.sampling import argmax_last
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [
+        torch.randn(49152, generator=gen),
+        torch.randn(8, 49152, generator=gen),
+        torch.randn(2, 3, 17, generator=gen, dtype=torch.float64),
+        torch.randn(6, 40, generator=gen)[:, ::3],  # a strided view
+        torch.tensor([[1.0, 3.0, 3.0, float("nan"), float("nan")],  # the first NaN wins
+                      [float("-inf")] * 5,  # all -inf: index 0
+                      [2.0, 2.0, 1.0, 0.0, 2.0],  # ties: the first
+                      [float("inf"), 1.0, float("inf"), 0.0, -1.0]]),
+        torch.randn(3, 11, generator=gen).to(torch.bfloat16),  # not numpy's: torch's own argmax
+    ]
+    for x in cases:
+        got = argmax_last(x)
+        assert got.dtype == torch.long and torch.equal(got, x.argmax(-1))

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from .drafters.base import Draft
-from .sampling import SamplingParams, keyed_choice, sample_token, warp_probs
+from .sampling import SamplingParams, argmax_last, keyed_choice, sample_token, warp_probs
 from .tree import TreeMeta
 
 
@@ -97,7 +97,7 @@ def target_choice(target_logits: torch.Tensor, params: SamplingParams,
     """The target's own token per row ([N, V] -> [N]): argmax p (greedy), or a seeded request's
     keyed draw with ``noise`` [N, V] (the draws of the output position each row predicts)."""
     if params.greedy:
-        return target_logits.argmax(-1)
+        return argmax_last(target_logits)
     return keyed_choice(warp_probs(target_logits, params), noise)
 
 
