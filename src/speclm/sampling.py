@@ -16,6 +16,7 @@ import torch
 from .errors import SpeclmError
 from .structured.spec import GrammarSpec, grammar_spec
 
+
 def argmax_last(x: torch.Tensor) -> torch.Tensor:
     """``x.argmax(-1)`` ([..., V] -> [...] int64): the first maximal index, a NaN counting as the
     maximum, as PyTorch defines it. On CPU float32/float64 tensors it runs numpy's vectorized
@@ -110,7 +111,7 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     logits = logits.to(dtype)
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(dtype)
+        return torch.nn.functional.one_hot(argmax_last(logits), logits.shape[-1]).to(dtype)
     # shift so each row's largest logit is 0 before scaling: (logits - max) / T is <= 0, so no
     # temperature or logit magnitude can overflow to inf - inf = NaN (exp(0) = 1 keeps the sum
     # positive); +inf logits (an overflowed low-precision model) tie at 0 instead of giving NaN

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import SpeclmError
 from ..models.base import CausalLM
-from ..sampling import keyed_choice, sample_token, warp_probs
+from ..sampling import argmax_last, keyed_choice, sample_token, warp_probs
 from .base import Draft, DraftContext
 from .tree_search import TreeShape, TreeSizer, grow_tree
 
@@ -59,7 +59,7 @@ def choose_draft_token(logits: torch.Tensor, ctx: DraftContext, p_min: float = 0
     and the top probability is below it (one host sync, so only when asked)."""
     params = ctx.params
     if params.greedy:
-        q, token = None, logits.argmax(-1)  # [1]
+        q, token = None, argmax_last(logits)  # [1]
     else:
         q = warp_probs(logits, params)  # [1, V], the same warp as the target's p
         token = draw(q, ctx, depth)
@@ -121,7 +121,7 @@ def draft_chains(
     lengths = [0] * num_rows  # tokens drafted per row
     active = [limit > 0 for limit in limits]
     for depth in range(max(limits, default=0)):
-        tokens = logits.argmax(-1)  # [B]: the greedy rows' picks
+        tokens = argmax_last(logits)  # [B]: the greedy rows' picks
         confidence = torch.softmax(logits.float(), -1).amax(-1) if p_min > 0 else None  # [B]
         for b in sampled:
             if active[b]:

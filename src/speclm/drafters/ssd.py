@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpeclmError
-from ..sampling import sample_token, warp_probs
+from ..sampling import argmax_last, sample_token, warp_probs
 from ..tree import TreeMeta
 from .base import Draft, DraftContext
 from .draft_model import DraftModelDrafter
@@ -240,7 +240,7 @@ class AsyncDraftModelDrafter(DraftModelDrafter):
                 tree=TreeMeta.from_parents(parents)).logits)  # [B, V]
             logit_rows.append(logits)
             if params.greedy:
-                q, nxt = None, logits.argmax(-1)
+                q, nxt = None, argmax_last(logits)
             else:
                 q = warp_probs(logits, params)
                 nxt = sample_token(q, gen)
