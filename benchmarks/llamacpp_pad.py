@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 import speclm.models.llamacpp_rows as llamacpp_rows
+from speclm.errors import SpeclmError
 from speclm.models.llamacpp import LlamaCppLM, LlamaCppModel
 from speclm.models.loading import _default_gguf
 
@@ -52,7 +53,12 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200, help="cached tokens per row before a verify")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
-    target = LlamaCppLM(LlamaCppModel(args.gguf or _default_gguf()), frozenset())
+    if args.repeats < 1 or args.context < 1:
+        ap.error(f"--repeats and --context must be >= 1, got {args.repeats} and {args.context}")
+    try:
+        target = LlamaCppLM(LlamaCppModel(args.gguf or _default_gguf()), frozenset())
+    except SpeclmError as exc:
+        raise SystemExit(f"--gguf: {exc}") from None
     rows = llamacpp_rows.LlamaCppRows(target, 16)
     rule = llamacpp_rows.PAD_TOKENS_PER_GRAPH
     print(f"{target.weights.threads} threads; ms, best of {args.repeats} (padded and ragged alternating)")
