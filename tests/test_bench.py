@@ -183,9 +183,10 @@ def test_seeded_sampled_methods_are_checked_against_plain_and_a_mismatch_is_diag
     prompts.write_text('{"category": "echo", "turns": ["the quick brown fox"]}\n')
     target = str(model_dirs["target"])
     code = main(["bench", "--model", target, "--dtype", "float64", "--prompts", str(prompts), "--no-warmup",
-                 "--max-new-tokens", "12", "--temperature", "0.8", "--seed", "3", "--method", "ngram:k=4",
+                 "--max-new-tokens", "12", "--temperature", "0.8", "--top-p", "0.9", "--seed", "3", "--method", "ngram:k=4",
                  "--method", f"draft:path={target},k=3", "--method", "hf", "--out", str(tmp_path / "out")])
-    assert code == 0 and "MISMATCH" not in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert code == 0 and "MISMATCH" not in out and "temperature 0.8, top-p 0.9" in out
     rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["rows"]}
     assert rows["ngram:k=4"]["identical"] and rows["draft:path=target,k=3"]["identical"]
     assert rows["hf"]["identical"] is None  # another engine's sampler: not comparable

@@ -216,6 +216,40 @@ def test_warp_filters():
     assert torch.equal(warp_probs(logits, SamplingParams()), torch.tensor([[0.0, 0, 0, 0, 1]], dtype=torch.float64))
 
 
+def _nucleus_by_sort(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Reference top-p: sort each row, keep the prefix whose mass before it is under top_p."""
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    drop_sorted = torch.cumsum(sorted_p, dim=-1) - sorted_p >= top_p
+    return ~torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)  # kept mask
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.999])
+def test_top_p_matches_a_full_sort(top_p):
+    """The nucleus found from each row's sorted values (numpy's sort on a CPU) is the one a
+    full sort with indices gives: peaked and flat rows in one batch, small and large nuclei."""
+    gen = torch.Generator().manual_seed(3)
+    V = 20_000
+    scales = torch.tensor([[8.0], [3.0], [0.05], [0.0]])  # peaked .. uniform rows
+    logits = torch.randn(4, V, generator=gen, dtype=torch.float64) * scales
+    logits[3] += torch.rand(V, generator=gen, dtype=torch.float64) * 1e-6  # uniform, no exact ties
+    probs = torch.softmax(logits, -1)
+    warped = warp_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    want = _nucleus_by_sort(probs, top_p)
+    assert torch.equal(warped > 0, want)
+    torch.testing.assert_close(warped, torch.where(want, probs, 0.0) / torch.where(want, probs, 0.0).sum(-1, keepdim=True))
+    if top_p >= 0.5:
+        assert int(want[3].sum()) > 1024 and int(want[0].sum()) < 100  # large and small nuclei
+
+
+def test_top_p_keeps_tied_tokens_together():
+    """Tokens of equal probability at the cut are kept or dropped together."""
+    logits = torch.log(torch.tensor([[0.4, 0.2, 0.2, 0.2]], dtype=torch.float64))
+    kept = warp_probs(logits, SamplingParams(temperature=1.0, top_p=0.5)) > 0
+    assert kept.tolist() == [[True, True, True, True]]  # 0.4 < 0.5, so every 0.2 is kept
+    kept = warp_probs(logits, SamplingParams(temperature=1.0, top_p=0.4)) > 0
+    assert kept.tolist() == [[True, False, False, False]]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-20, 1e-6, 1e-5, 1e-3, 0.7, 2.0])
 def test_no_temperature_or_logit_scale_gives_nan(dtype, temperature):

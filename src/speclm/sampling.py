@@ -123,13 +123,29 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # [N, V]
-        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
-        drop_sorted = mass_before >= params.top_p  # keeps the smallest prefix reaching top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
+        probs = probs.masked_fill(probs < nucleus_floor(probs, params.top_p), 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def nucleus_floor(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The least probability top-p keeps in each row ([N, V] -> [N, 1]).
+
+    Top-p keeps the most probable tokens until their mass reaches ``top_p``: a token is kept iff
+    the tokens more probable than it hold less than ``top_p``, so tokens tied in probability are
+    kept or dropped together (no sort order decides between them) and the kept set is every
+    token with ``p >= floor``. Only the sorted values are needed, not the order of the tokens:
+    on a CPU numpy sorts them (its vectorized sort: ~0.2 ms for a row of 49k where PyTorch
+    2.13's CPU sort took 6-30 ms on a 2-core Xeon, more than a decoding step).
+    """
+    if probs.device.type == "cpu" and probs.dtype in (torch.float32, torch.float64) and not probs.requires_grad:
+        ascending = np.sort(probs.numpy(), axis=-1)
+        top = torch.from_numpy(np.ascontiguousarray(ascending[:, ::-1]))  # [N, V] descending
+    else:
+        top = torch.sort(probs, dim=-1, descending=True).values  # [N, V]
+    kept = (torch.cumsum(top, dim=-1) - top) < top_p  # [N, V]: a prefix of each row
+    last = kept.sum(-1, keepdim=True).clamp_min(1) - 1  # [N, 1]: the last kept position
+    return top.gather(-1, last)
 
 
 def sample_token(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

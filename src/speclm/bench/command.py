@@ -64,6 +64,10 @@ def add_parser(sub, number) -> argparse.ArgumentParser:
     bench.add_argument("--temperature", type=number(float), default=0.0,
                        help="0 = greedy (default); >0 samples, seeded by --seed, so that "
                             "speculative outputs are identity-checked against plain's too")
+    bench.add_argument("--top-k", type=number(int), default=0,
+                       help="sampling: keep the K most probable tokens (0 = off, the default)")
+    bench.add_argument("--top-p", type=number(float), default=1.0,
+                       help="sampling: keep the most probable tokens up to this mass, in (0, 1] (1 = off, the default)")
     bench.add_argument("--seed", type=number(int), default=0,
                        help="sampling seed (default: 0): every speclm method draws the same tokens from it")
     bench.add_argument("--out", help="write results.json, results.md and PNG plots here")
@@ -116,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
     from ..prompts import load_prompts, per_category
 
     specs = method_specs(args)
-    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_new_tokens, seed=args.seed)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            max_tokens=args.max_new_tokens, seed=args.seed)
     categories = [c.strip() for c in args.categories.split(",")] if args.categories else None
     prompts = per_category(load_prompts(args.prompts), args.per_category, categories)
     if args.first_turn_only:
@@ -141,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     llm = pool.get(pool.engine_of(next((s for s in specs if not s.is_peer), specs[0])))  # for the header
     results = run_bench(pool, specs, prompts, params, warmup=not args.no_warmup, baseline=args.baseline)
     summary = summarize_all(results, specs)
-    mode = "greedy" if params.greedy else f"temperature {params.temperature}"
+    mode = "greedy" if params.greedy else f"temperature {params.temperature}" + (
+        f", top-k {params.top_k}" if params.top_k else "") + (f", top-p {params.top_p}" if params.top_p < 1 else "")
     header = (f"speclm bench: {len(prompts)} prompts ({', '.join(sorted({p['category'] for p in prompts}))}), "
               f"{sum(len(p['turns']) for p in prompts)} turns, {mode}, max {params.max_tokens} new tokens, "
               f"model {args.model} ({llm.backend_name}, {str(llm.target.dtype).removeprefix('torch.')} on "

@@ -9,6 +9,7 @@ short warm-up request before timing starts. A peer that fails is recorded, not f
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 
@@ -297,7 +298,7 @@ def run_bench(
         if isinstance(setup, Speculation) and setup.draft_length.adaptive:  # measured (or read
             llm_of[label].cost_model(1 + setup.draft_length.draft_max)  # from the cache) untimed
     if warmup:
-        short = SamplingParams(max_tokens=8, temperature=params.temperature, seed=params.seed)
+        short = dataclasses.replace(params, max_tokens=8)
         for label, setup in setups.items():
             if not isinstance(setup, str) and not isinstance(getattr(setup, "drafter", None), OracleDrafter):
                 try:
