@@ -254,6 +254,30 @@ def test_parallel_training_steps_equal_one_drafting_forward(target):
     assert drafter.cache.get_seq_length() == drafter.processed == t  # the mask pairs are dropped
 
 
+def test_held_out_accuracy_counts_tokens_outside_the_draft_vocabulary_as_misses(target):
+    """A drafter never proposes a token its draft vocabulary lacks, so the held-out figure must
+    count those answer tokens as misses (the acceptance a drafted token can expect at inference):
+    checked against a direct count over every answer position, for the first draft depth."""
+    data = _sequences(target)
+    draft_to_target = torch.arange(0, V, 2)  # half the vocabulary
+    head = EagleHead.create(target, LAYERS, draft_to_target).double()
+    trainer = EagleTrainer(head, target.get_input_embeddings(), [], data, vocab_size=V, epochs=1,
+                           batch_size=4, lr=1e-3, device="cpu", max_seconds=None, progress=False)
+    hits, total, outside = torch.zeros(4), 0, 0
+    with torch.no_grad():
+        for seq in data:
+            logits = trainer.predictions(_pad([seq], trainer.table, "cpu", torch.float64), everywhere=False)[0][0]
+            guesses = draft_to_target[logits[0].topk(4, dim=-1).indices]  # [T - 2, 4] entry i guesses token i + 2
+            answer = torch.arange(2, seq.ids.shape[0]) >= seq.prompt_len
+            truth = seq.ids[2:]
+            hits += (guesses == truth[:, None])[answer].sum(0).double()
+            total += int(answer.sum())
+            outside += int((truth[answer] % 2 == 1).sum())
+    got = trainer.evaluate(top=4)[0]
+    assert outside > 0 and hits.sum() > 0  # both kinds of position occur, so the count matters
+    torch.testing.assert_close(torch.tensor(got), (hits / total).float(), atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle-parallel"])
 def test_training_lowers_loss_and_checkpoints_roundtrip(target, tmp_path, kind):
     torch.manual_seed(0)

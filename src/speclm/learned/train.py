@@ -180,13 +180,17 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, top: int = 4) -> list[list[float]]:
-        """Held-out top-r accuracy per draft position: acc[d][r] = P(label is the rank-r guess)."""
+        """Held-out top-r accuracy per draft position: acc[d][r] = P(label is the rank-r guess).
+
+        Every answer token counts, those the draft vocabulary lacks as misses: at inference
+        they are always rejected, so the figure is the acceptance a drafted token can expect."""
         self.module.eval()
         totals = None
         for chunk in _batches(self.held_out, self.batch_size, random.Random(0)):
             with self.autocast():
                 counts = self.accuracy(_pad(chunk, self.table, self.device, self.dtype, self.pad_multiple),
                                        top)  # [D, top + 1]
+            counts[:, top] += sum(int((self.table[s.ids[s.prompt_len:]] == IGNORE).sum()) for s in chunk)
             totals = counts if totals is None else totals + counts
         self.module.train()
         if totals is None:
