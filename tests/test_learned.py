@@ -9,6 +9,8 @@ from scipy.stats import chisquare
 
 from speclm.draft_length import DraftLengthConfig
 from speclm.drafters.eagle import EagleDrafter
+from speclm.drafters.lookup_branch import LookupBranch
+from speclm.drafters.ngram import NgramDrafter
 from speclm.drafters.medusa import MedusaDrafter, best_static_tree
 from speclm.drafters.tree_search import TreeShape
 from speclm.engine import generate_tokens
@@ -61,10 +63,13 @@ def drafters(target):
         "eagle-chain": lambda: EagleDrafter(eagle, embed, LAYERS, V, None),
         "eagle-tree": lambda: EagleDrafter(eagle, embed, LAYERS, V, TreeShape(3, 10)),
         "eagle-parallel": lambda: EagleDrafter(parallel, embed, LAYERS, V, None),
+        "eagle-tree-lookup": lambda: LookupBranch(EagleDrafter(eagle, embed, LAYERS, V, TreeShape(3, 10)),
+                                                  NgramDrafter(1, 3), 4),
     }
 
 
-@pytest.mark.parametrize("name", ["medusa", "medusa-shared-head", "eagle-chain", "eagle-tree", "eagle-parallel"])
+@pytest.mark.parametrize("name", ["medusa", "medusa-shared-head", "eagle-chain", "eagle-tree", "eagle-parallel",
+                                  "eagle-tree-lookup"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_identity(target, name, k):
     lm = backend(target)
@@ -80,7 +85,7 @@ def test_greedy_identity(target, name, k):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("name", ["medusa", "eagle-chain", "eagle-tree", "eagle-parallel"])
+@pytest.mark.parametrize("name", ["medusa", "eagle-chain", "eagle-tree", "eagle-parallel", "eagle-tree-lookup"])
 def test_seeded_sampling_identity(target, name):
     """A seeded sampled request: the learned drafters' chains and trees give plain seeded
     decoding's tokens (the verifier's keyed draws)."""
@@ -99,7 +104,7 @@ def test_seeded_sampling_identity(target, name):
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("name", ["medusa", "eagle-tree"])  # layer -1; two middle layers
+@pytest.mark.parametrize("name", ["medusa", "eagle-tree", "eagle-tree-lookup"])  # layer -1; two middle layers
 def test_learned_drafters_read_features_from_the_compiled_step(target, name):
     """On the compiled path the verify step itself returns the drafter's feature layers (no
     eager forward per round): each request gets plain decoding's tokens and the same
@@ -132,7 +137,7 @@ def test_learned_drafters_read_features_from_the_compiled_step(target, name):
     assert any(len(key) == 2 for key, _ in fast._step.seen_hidden)  # (rows, tokens) graphs
 
 
-@pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree", "eagle-parallel", "medusa"])
+@pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree", "eagle-parallel", "medusa", "eagle-tree-lookup"])
 def test_sampling_matches_target_distribution(name):
     from itertools import product
 
@@ -156,15 +161,19 @@ def test_sampling_matches_target_distribution(name):
             with torch.no_grad():
                 head.mask_feature.normal_(generator=torch.Generator().manual_seed(3))
         drafter = EagleDrafter(head, model.get_input_embeddings(), LAYERS, vocab,
-                               TreeShape(2, 4) if name.endswith("tree") else None)
+                               TreeShape(2, 4) if "tree" in name else None)
+        if name.endswith("lookup"):  # prompt lookup's chain merged into the head's tree
+            drafter = LookupBranch(drafter, NgramDrafter(1, 2), 2)
     gen = torch.Generator().manual_seed(5)
     counts = torch.zeros(vocab**length, dtype=torch.float64)
-    accepted = 0
+    accepted = branch = 0
     for _ in range(n):
         seq, stats = run(lm, prompt, params, drafter, 2, gen)
         counts[(torch.tensor(seq) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
         accepted += stats.accepted_tokens
+        branch += (stats.drafter_report or {}).get("lookup_branch_accepted", 0)
     assert accepted > n // 10
+    assert branch > 0 or not name.endswith("lookup")  # the lookup's own tokens were accepted
     assert counts[expected == 0].sum() == 0
     keep = expected * n >= 5
     observed = torch.cat([counts[keep], counts[~keep].sum().view(1)])

@@ -65,8 +65,12 @@ def drafter_notes(rows: list[dict]) -> list[str]:
         reports = [r["drafter_report"] for r in rows if r["method"] == method and r.get("drafter_report")]
         if not reports:
             continue
-        if "choice" not in reports[-1]:
-            notes.append(f"- {method}: {reports[-1].get('summary', '')}")
+        if "choice" not in reports[-1]:  # the last request's summary; counts summed over requests
+            counts = {key: sum(rep.get(key, 0) for rep in reports) for key, value in reports[-1].items()
+                      if isinstance(value, int) and not isinstance(value, bool)}
+            totals = ", ".join(f"{key} {value}" for key, value in counts.items())
+            notes.append(f"- {method}: {reports[-1].get('summary', '')}"
+                         + (f" (last request); over all {len(reports)} requests: {totals}" if totals else ""))
             continue
         choices: dict[str, int] = {}
         rounds: dict[str, int] = {}
