@@ -85,6 +85,15 @@ class TreeMeta:
             torch.full((1, 0), -1, dtype=torch.long)
         return TreeMeta(index - 1, index + 1, torch.ones(k, k, dtype=torch.bool).tril(), children, k)
 
+    def deepest_match(self, matches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The deepest node whose path from the pending token matches everywhere, given which
+        nodes match (``matches`` [k] bool, on any device; no host sync): ``(depth, node)``, 0-d
+        int64 tensors, depth 0 (node 0) where no first-level node matches. With distinct tokens
+        among each node's children at most one node per depth is on the matching path."""
+        ancestors = self.ancestors.to(matches.device)
+        on_path = ~(ancestors & ~matches).any(1)  # [k]: every ancestor-or-self matches
+        return torch.where(on_path, self.depth.to(matches.device), 0).max(0)
+
     def positions(self, start: int, rows: int | None = None) -> torch.Tensor:
         """[T] positions of the last T = ``rows`` (default k + 1) entries of [pending, nodes...]
         when the pending token sits at position ``start``."""

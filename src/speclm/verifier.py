@@ -169,9 +169,7 @@ def _verify_tree(
         row_noise = None if noise is None else noise[rows_depth]  # [k + 1, V]
         target_argmax = target_choice(target_logits, params, row_noise)  # [k + 1]
         matches = tokens == target_argmax[parent_row]  # [k]
-        on_path = ~(tree.ancestors.to(device) & ~matches).any(1)  # every ancestor-or-self matches
-        score = torch.where(on_path, depth, 0)  # [k]
-        num_accepted, best = score.max(0)  # the deepest accepted node (one per depth)
+        num_accepted, best = tree.deepest_match(matches)  # the deepest accepted node (one per depth)
         final_token = target_argmax[torch.where(num_accepted > 0, best + 1, 0)]
         in_path = tree.ancestors.to(device)[best] & (num_accepted > 0)  # [k]
         path = torch.argsort(torch.where(in_path, depth, k + 1))  # accepted nodes first, by depth

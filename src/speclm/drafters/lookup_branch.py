@@ -28,23 +28,21 @@ from ..tree import TreeMeta
 from .base import Draft, DraftContext, Drafter
 
 
+def _tree(draft: Draft) -> TreeMeta:
+    return draft.tree if draft.tree is not None else TreeMeta.chain(draft.num_tokens)
+
+
 def shared_path(draft: Draft, chain: torch.Tensor) -> tuple[int, int]:
     """How far ``chain`` ([m] token ids from the pending token on) follows a path of ``draft``:
     ``(depth, node)``, the deepest node of the draft whose path from the root spells
     ``chain[:depth]`` (node -1 and depth 0 where even the first token differs)."""
-    tree = draft.tree if draft.tree is not None else TreeMeta.chain(draft.num_tokens)
     m = chain.shape[0]
     if not m or not draft.num_tokens:
         return 0, -1
-    tokens, chain = draft.tokens.cpu(), chain.cpu()
-    depth = tree.depth  # [k]
-    at_depth = chain[(depth - 1).clamp(max=m - 1)]  # [k] the chain's token at each node's depth
-    agrees = (depth <= m) & (tokens == at_depth)  # [k]
-    on_path = (~tree.ancestors | agrees.view(1, -1)).all(1)  # [k]: the node and its ancestors agree
-    if not bool(on_path.any()):
-        return 0, -1
-    deepest = int(torch.argmax(torch.where(on_path, depth, 0)))
-    return int(depth[deepest]), deepest
+    tree = _tree(draft)
+    at_depth = chain.cpu()[(tree.depth - 1).clamp(max=m - 1)]  # [k] the chain's token at each node's depth
+    depth, node = tree.deepest_match((tree.depth <= m) & (draft.tokens.cpu() == at_depth))
+    return (int(depth), int(node)) if int(depth) else (0, -1)
 
 
 def merge_chain(draft: Draft, chain: torch.Tensor) -> Draft:
@@ -54,11 +52,10 @@ def merge_chain(draft: Draft, chain: torch.Tensor) -> Draft:
     if matched == chain.shape[0]:
         return draft  # the draft already holds the whole chain
     k, rest = draft.num_tokens, chain.shape[0] - matched
-    parents = draft.tree.parents if draft.tree is not None else torch.arange(-1, k - 1)
     # the chain's new tokens: the first hangs below the shared node, each next below the one before
     new = torch.cat([torch.tensor([node]), torch.arange(k, k + rest - 1)])  # [rest]
     tokens = torch.cat([draft.tokens, chain[matched:].to(draft.tokens.device)])  # [k + rest]
-    return Draft(tokens, None, TreeMeta.from_parents(torch.cat([parents, new])))
+    return Draft(tokens, None, TreeMeta.from_parents(torch.cat([_tree(draft).parents, new])))
 
 
 class LookupBranch:
