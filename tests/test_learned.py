@@ -28,6 +28,7 @@ from .conftest import backend, tiny_model
 
 V = 96
 LAYERS = [1, 2]
+REDUCED = torch.randperm(V, generator=torch.Generator().manual_seed(7))[:64]  # a draft vocabulary
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +52,10 @@ def drafters(target):
     shared = MedusaHeads.create(target, 3, None).double()  # the target's own LM head
     eagle = EagleHead.create(target, LAYERS, torch.arange(V)).double()
     parallel = EagleHead.create(target, LAYERS, torch.arange(V), parallel=3).double()
+    reduced = EagleHead.create(target, LAYERS, REDUCED).double()  # drafts 64 of the 96 tokens
     with torch.no_grad():
         for p in (list(heads.blocks.parameters()) + list(shared.parameters()) + list(eagle.parameters())
-                  + list(parallel.parameters())):
+                  + list(parallel.parameters()) + list(reduced.parameters())):
             p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.02)
     paths = best_static_tree([[0.5, 0.2, 0.1], [0.4, 0.2, 0.1], [0.3, 0.1, 0.1]], 10)
     embed = target.get_input_embeddings()
@@ -62,6 +64,7 @@ def drafters(target):
         "medusa-shared-head": lambda: MedusaDrafter(shared, paths),
         "eagle-chain": lambda: EagleDrafter(eagle, embed, LAYERS, V, None),
         "eagle-tree": lambda: EagleDrafter(eagle, embed, LAYERS, V, TreeShape(3, 10)),
+        "eagle-tree-reduced": lambda: EagleDrafter(reduced, embed, LAYERS, V, TreeShape(3, 10)),
         "eagle-parallel": lambda: EagleDrafter(parallel, embed, LAYERS, V, None),
         "eagle-tree-lookup": lambda: LookupBranch(EagleDrafter(eagle, embed, LAYERS, V, TreeShape(3, 10)),
                                                   NgramDrafter(1, 3), 4),
@@ -69,7 +72,7 @@ def drafters(target):
 
 
 @pytest.mark.parametrize("name", ["medusa", "medusa-shared-head", "eagle-chain", "eagle-tree", "eagle-parallel",
-                                  "eagle-tree-lookup"])
+                                  "eagle-tree-lookup", "eagle-tree-reduced"])
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_identity(target, name, k):
     lm = backend(target)
@@ -85,7 +88,8 @@ def test_greedy_identity(target, name, k):
     assert accepted > 0
 
 
-@pytest.mark.parametrize("name", ["medusa", "eagle-chain", "eagle-tree", "eagle-parallel", "eagle-tree-lookup"])
+@pytest.mark.parametrize("name", ["medusa", "eagle-chain", "eagle-tree", "eagle-parallel", "eagle-tree-lookup",
+                                  "eagle-tree-reduced"])
 def test_seeded_sampling_identity(target, name):
     """A seeded sampled request: the learned drafters' chains and trees give plain seeded
     decoding's tokens (the verifier's keyed draws)."""
@@ -101,6 +105,17 @@ def test_seeded_sampling_identity(target, name):
         assert spec == plain, f"prompt {i} diverged"
         accepted += stats.accepted_tokens
     assert accepted > 0
+
+
+def test_a_tree_over_a_reduced_draft_vocabulary_proposes_its_target_ids(target):
+    """The tree grows over the head's 64 draft columns; each node is the target's id of its column."""
+    drafter = drafters(target)["eagle-tree-reduced"]()
+    proposed = []
+    propose = drafter.propose
+    drafter.propose = lambda ctx: proposed.append(propose(ctx)) or proposed[-1]
+    run(backend(target), torch.tensor([3, 5, 7]), SamplingParams(max_tokens=30, ignore_eos=True), drafter, 4)
+    tokens = torch.cat([d.tokens for d in proposed])
+    assert tokens.numel() > 20 and bool(torch.isin(tokens, REDUCED).all())
 
 
 @pytest.mark.compiled
@@ -470,6 +485,12 @@ def test_an_exported_drafter_ships_for_its_own_target_only(target, tmp_path):
     assert shipped_folder(target, "eagle", root) == root / "tiny-eagle"
     drafter = load_learned_drafter(root / "tiny-eagle", backend(target), "eagle")  # float32 again
     assert next(drafter.head.parameters()).dtype == torch.float64
+    half = tiny_model(V, seed=10).to(torch.bfloat16)  # a 16-bit target gets a 16-bit head
+    drafter = load_learned_drafter(root / "tiny-eagle", backend(half), "eagle")
+    assert {p.dtype for p in drafter.head.parameters()} == {torch.bfloat16}
+    _, stats = run(backend(half), torch.tensor([3, 5, 7]), SamplingParams(max_tokens=12, ignore_eos=True),
+                   drafter, 3)
+    assert stats.drafted_tokens > 0
     for other in (tiny_model(V + 8, seed=1), tiny_model(V, seed=2)):  # other shapes; other weights
         with pytest.raises(SpeclmError, match="ships no eagle drafter for this target .it ships one for tiny") as err:
             shipped_folder(other, "eagle", root)

@@ -4,6 +4,8 @@
   verify is free, at least one node however weak the drafter, and fewer once the target
   accepts less than the drafter's confidence predicts;
 - a sized tree is the most confident part of the full tree (still a tree);
+- growth stops at the level where no child could enter the budget (the same tree, fewer drafter
+  forwards), and where a drafter forward costs more than its level could return;
 - the engine hands the live verify cost to adaptive rows, seeded ones included: a seeded
   request's tokens are plain seeded decoding's whatever size its trees take;
 - sized trees stay lossless: greedy identity, and the exact distribution when sampling.
@@ -12,6 +14,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -98,6 +101,59 @@ def test_a_sized_tree_is_the_most_confident_part_of_the_full_tree():
     assert unsized.num_tokens == 12
     whole = grow_tree(root, stepper, 4, TreeShape(3, 12, fit=False), lambda n: 1.0 + 0.4 * n, TreeSizer())
     assert whole.num_tokens == 12  # fit=0: the whole budget whatever the cost
+
+
+class GeometricStepper:
+    """Every node's children: tokens 0, 1, 2, ... with probabilities 0.5, 0.3, 0.2 (then nothing);
+    counts its expansions, and sleeps ``seconds`` in each (a slow drafter forward)."""
+
+    ROW = torch.tensor([0.5, 0.3, 0.2, 0.0, 0.0, 0.0]).log()
+
+    def __init__(self, seconds: float = 0.0) -> None:
+        self.seconds, self.expansions = seconds, 0
+
+    def expand(self, tokens: torch.Tensor, fed: TreeMeta) -> torch.Tensor:
+        self.expansions += 1
+        time.sleep(self.seconds)
+        return self.ROW.expand(tokens.shape[0], -1)
+
+
+def test_growth_stops_where_no_child_can_enter_the_budget():
+    """Budget 3: after one expansion the kept three are 0.5, 0.3 and 0.25 (token 0 after token 0);
+    every deeper node holds at most 0.25 and loses the tie to it: no second expansion."""
+    stepper = GeometricStepper()
+    draft = grow_tree(GeometricStepper.ROW, stepper, 6, TreeShape(top_k=3, budget=3, fit=False))
+    assert stepper.expansions == 1
+    assert draft.tokens.tolist() == [0, 1, 0] and draft.tree.parents.tolist() == [-1, -1, 0]
+    wide = GeometricStepper()  # a budget deeper levels can enter: grown to the depth asked
+    assert grow_tree(GeometricStepper.ROW, wide, 4, TreeShape(top_k=3, budget=30, fit=False)).num_tokens == 30
+    assert wide.expansions == 3
+
+
+def test_worth_expanding_compares_the_frontiers_confidence_with_a_forwards_worth():
+    sizer = TreeSizer()
+    ranked = torch.tensor([0.5, 0.3]).log()
+    assert sizer.worth_expanding(ranked, torch.tensor([0.01]).log(), 4, lambda n: 1.0, 0.0)  # never timed
+    sizer.timed_expansion(0.1)
+    # best rate: 1.8 tokens / 1 s (both nodes); a forward is worth 0.18 tokens
+    assert not sizer.worth_expanding(ranked, torch.tensor([0.1, 0.05]).log(), 4, lambda n: 1.0, 0.0)
+    assert sizer.worth_expanding(ranked, torch.tensor([0.2]).log(), 4, lambda n: 1.0, 0.0)
+    sizer.timed_expansion(0.2)  # a moving average: 0.11 s
+    assert sizer.expand_s == pytest.approx(0.11)
+
+
+def test_a_drafter_forward_that_cannot_pay_ends_the_growth():
+    """A verify of 1 ms and drafter forwards of >= 20 ms: after the first (timed) expansion no
+    deeper level can raise the rate (it would add at most 1 token per 20 ms, the tree so far
+    gives ~2 per 21 ms); with a verify of seconds every level is grown."""
+    slow = GeometricStepper(seconds=0.02)
+    sizer = TreeSizer()
+    for _ in range(2):
+        grow_tree(GeometricStepper.ROW, slow, 6, TreeShape(top_k=3, budget=60), lambda n: 1e-3, sizer)
+    assert slow.expansions == 1  # the first round's, not timed yet when it began; then none
+    fast = GeometricStepper()
+    grow_tree(GeometricStepper.ROW, fast, 4, TreeShape(top_k=3, budget=60), lambda n: 10.0 + n, TreeSizer())
+    assert fast.expansions == 3
 
 
 class Spy(DraftModelDrafter):

@@ -21,6 +21,11 @@ from .draft_model import draft_chain
 from .tree_search import TreeShape, TreeSizer, grow_tree
 
 
+def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """A 16-bit head's logits in float32 for the softmax; float32 and float64 (tests) as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class EagleDrafter:
     def __init__(self, head, embedding: torch.nn.Module, feature_layers: list[int],
                  vocab_size: int, tree: TreeShape | None = None) -> None:
@@ -65,9 +70,13 @@ class EagleDrafter:
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         return self.embedding(ids.to(self.embedding.weight.device)).to(self._param.dtype)
 
+    def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, H] -> [T, N] log-probabilities over the draft vocabulary (its columns)."""
+        return torch.log_softmax(_at_least_float32(self.head.logits(hidden)), -1)
+
     def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, V] over the target's vocabulary (-inf outside the draft vocabulary)."""
-        draft = self.head.logits(hidden)  # [T, N], float32 (float64 in tests)
+        draft = _at_least_float32(self.head.logits(hidden))  # [T, N]
         full = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.head.draft_to_target, draft)
 
@@ -108,12 +117,11 @@ class EagleDrafter:
             logits = self._full_logits(torch.cat([self.root_hidden.view(1, -1), mask_out]))  # [1 + masks, V]
             draft = draft_chain(logits[:1], masks + 1, ctx, lambda token, i: logits[i + 1 : i + 2])
             return Draft(draft.tokens.to(ids.device), draft.q_draft)
-        root_logits = self._full_logits(self.root_hidden.view(1, -1))  # [1, V]
-        if self.tree is not None:
+        if self.tree is not None:  # grown over the draft vocabulary's columns
             self._fed_hidden = self.root_hidden.new_empty(0, self.root_hidden.shape[0])
-            return grow_tree(torch.log_softmax(root_logits[0], -1), self, ctx.max_tokens, self.tree,
-                             ctx.verify_s, self.sizer)
-        return self._chain(root_logits, ctx)
+            return grow_tree(self._draft_logprobs(self.root_hidden.view(1, -1))[0], self, ctx.max_tokens,
+                             self.tree, ctx.verify_s, self.sizer, vocab=self.head.draft_to_target)
+        return self._chain(self._full_logits(self.root_hidden.view(1, -1)), ctx)  # [1, V]
 
     def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:
         hidden = self.root_hidden
@@ -135,4 +143,4 @@ class EagleDrafter:
         feature = known[(parents + 1).to(known.device)]  # [T, H]
         out = self._run(feature, self._embed(tokens), 0, fed, self.processed - 1)  # root = the last pair
         self._fed_hidden = torch.cat([self._fed_hidden, out])
-        return torch.log_softmax(self._full_logits(out), -1)
+        return self._draft_logprobs(out)  # [T, N]

@@ -51,7 +51,8 @@ class TreeShape:
 class TreeStepper(Protocol):
     def expand(self, tokens: torch.Tensor, fed: TreeMeta) -> torch.Tensor:
         """Feed ``tokens`` ([T]), the last T nodes of ``fed`` (every node expanded so far, in the
-        order fed); return the drafter's log-probabilities for their next tokens: [T, V]."""
+        order fed); return the drafter's log-probabilities for their next tokens: [T, V], over
+        the same columns as the root's (a reduced draft vocabulary: ``grow_tree``'s ``vocab``)."""
 
 
 class TreeSizer:
@@ -67,6 +68,12 @@ class TreeSizer:
     that acceptance keeps being measured: whether to draft at all is the draft-length policy's
     call). ``c`` calibrates the drafter's confidence against what the target accepts: a moving
     average of accepted tokens over predicted ones, so an overconfident drafter's trees shrink.
+
+    It also says when growing deeper cannot pay (:meth:`worth_expanding`): the next level's
+    nodes together hold at most the frontier's confidence, so they add at most
+    ``c * sum(exp(s_frontier))`` expected tokens, while expanding costs a drafter forward
+    (``expand_s``, a moving average of measured ones); below ``rate * expand_s`` tokens no
+    deeper level can raise the round's rate, however cheap its verify.
     """
 
     _EMA = 0.1
@@ -76,18 +83,39 @@ class TreeSizer:
         self._accepted = 1.0  # moving averages of both sides of c
         self._predicted = 1.0
         self._pending: float | None = None  # predicted accepted tokens of the last kept tree
+        self.expand_s: float | None = None  # seconds of one expansion (drafter forward), moving average
 
-    def keep(self, sorted_scores: torch.Tensor, budget: int, verify_s: Callable[[int], float],
-             draft_s: float) -> int:
-        """How many of the ``sorted_scores`` ([N] path log-confidences, best first) to keep."""
+    def _best(self, sorted_scores: torch.Tensor, budget: int, verify_s: Callable[[int], float],
+              draft_s: float) -> tuple[int, float, float | None]:
+        """(n, its rate, its expected accepted tokens) for the best count n in [1, budget]."""
         confidence = sorted_scores[:budget].double().exp().cumsum(0).tolist()  # [n]: sum of the first n
         best_n, best_rate = 1, -math.inf
         for n, expected in enumerate(confidence, start=1):
             rate = (1.0 + self.calibration * expected) / (draft_s + verify_s(n))
             if rate > best_rate:
                 best_n, best_rate = n, rate
-        self._pending = confidence[best_n - 1] if confidence else None
+        return best_n, best_rate, (confidence[best_n - 1] if confidence else None)
+
+    def keep(self, sorted_scores: torch.Tensor, budget: int, verify_s: Callable[[int], float],
+             draft_s: float) -> int:
+        """How many of the ``sorted_scores`` ([N] path log-confidences, best first) to keep."""
+        best_n, _, self._pending = self._best(sorted_scores, budget, verify_s, draft_s)
         return best_n
+
+    def worth_expanding(self, sorted_scores: torch.Tensor, frontier_scores: torch.Tensor, budget: int,
+                        verify_s: Callable[[int], float], draft_s: float) -> bool:
+        """Whether expanding the frontier ([F] path log-confidences) might raise the best rate
+        the candidates so far ([N], best first) give; True while no expansion was timed."""
+        if self.expand_s is None:
+            return True
+        _, rate, _ = self._best(sorted_scores, budget, verify_s, draft_s)
+        gain = self.calibration * float(frontier_scores.double().exp().sum())  # tokens, at most
+        return gain > rate * self.expand_s
+
+    def timed_expansion(self, seconds: float) -> None:
+        """One expansion (a drafter forward over a tree level) took ``seconds``."""
+        w = self._EMA
+        self.expand_s = seconds if self.expand_s is None else (1 - w) * self.expand_s + w * seconds
 
     def observe(self, num_accepted: int) -> None:
         """The target accepted ``num_accepted`` tokens of the tree last kept."""
@@ -101,8 +129,13 @@ class TreeSizer:
 
 
 def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, shape: TreeShape,
-              verify_s: Callable[[int], float] | None = None, sizer: TreeSizer | None = None) -> Draft:
+              verify_s: Callable[[int], float] | None = None, sizer: TreeSizer | None = None,
+              vocab: torch.Tensor | None = None) -> Draft:
     """Grow a tree of at most ``depth`` levels from the pending token's draft log-probs ([V]).
+
+    ``vocab`` ([V] token ids), where the drafter scores a reduced draft vocabulary: the target's
+    token id of each column (an EAGLE head's 8k columns need no 49k-wide log-softmax or top-k);
+    None: column i is token i.
 
     Keeps ``shape.budget`` nodes, or, given the target's verify cost (``verify_s(n)``: seconds
     of a forward verifying n drafted tokens) and a ``sizer``, the number that pays best.
@@ -111,18 +144,30 @@ def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, sha
     """
     started = time.perf_counter()
     k = min(shape.top_k, root_logprobs.shape[-1])
+    ids = (lambda cols: cols) if vocab is None else (lambda cols, v=vocab.cpu(): v[cols])  # column -> token
     scores, tokens = (t.cpu() for t in torch.topk(root_logprobs.float(), k))  # [N] candidates
+    tokens = ids(tokens)
     parent = torch.full((k,), -1, dtype=torch.long)  # [N] each candidate's parent candidate
     level = torch.ones(k, dtype=torch.long)  # [N] depth of each candidate
     fed_index = torch.full((k,), -1, dtype=torch.long)  # [N] position among expanded nodes, or -1
     fed_parents = torch.empty(0, dtype=torch.long)  # [F] parents of the expanded nodes, as positions
     frontier = torch.arange(k)  # candidates to expand next
+    sized = shape.fit and verify_s is not None and sizer is not None
     for d in range(2, depth + 1):
+        # no child can be kept (the budget holds better candidates), or none can pay for its forward
+        ranked = torch.sort(scores, descending=True).values  # [N]
+        if ranked.shape[0] >= shape.budget and ranked[shape.budget - 1] >= scores[frontier].max():
+            break
+        if sized and not sizer.worth_expanding(ranked, scores[frontier], shape.budget, verify_s,
+                                               time.perf_counter() - started):
+            break
         fed_index[frontier] = torch.arange(fed_parents.shape[0], fed_parents.shape[0] + frontier.shape[0])
         up = parent[frontier]
         fed_parents = torch.cat([fed_parents, torch.where(up >= 0, fed_index[up.clamp(min=0)], -1)])
+        expand_started = time.perf_counter()
         logprobs = stepper.expand(tokens[frontier], TreeMeta.from_parents(fed_parents))  # [T, V]
         child_scores, child_tokens = (t.cpu() for t in torch.topk(logprobs.float(), k, dim=-1))  # [T, k]
+        child_tokens = ids(child_tokens)
         child_scores = (scores[frontier].unsqueeze(1) + child_scores).flatten()  # cumulative
         new = torch.arange(scores.shape[0], scores.shape[0] + child_scores.shape[0])
         scores = torch.cat([scores, child_scores])
@@ -131,11 +176,13 @@ def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, sha
         level = torch.cat([level, torch.full(new.shape, d, dtype=torch.long)])
         fed_index = torch.cat([fed_index, torch.full(new.shape, -1, dtype=torch.long)])
         frontier = new[torch.topk(child_scores, min(k, new.shape[0])).indices]
+        if sizer is not None:
+            sizer.timed_expansion(time.perf_counter() - expand_started)
     # keep the most confident; on equal scores the shallower first, so ancestors come first
     order = torch.sort(level, stable=True).indices
     order = order[torch.sort(-scores[order], stable=True).indices]
     budget = shape.budget
-    if shape.fit and verify_s is not None and sizer is not None:
+    if sized:
         budget = sizer.keep(scores[order], budget, verify_s, time.perf_counter() - started)
     kept = order[:budget]
     kept = kept[torch.argsort(level[kept] * scores.shape[0] + kept)]  # topological order
