@@ -15,15 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from ..models.dtypes import at_least_float32
 from ..tree import TreeMeta
 from .base import Draft, DraftContext
 from .draft_model import draft_chain
 from .tree_search import TreeShape, TreeSizer, grow_tree
-
-
-def _at_least_float32(x: torch.Tensor) -> torch.Tensor:
-    """A 16-bit head's logits in float32 for the softmax; float32 and float64 (tests) as they are."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 class EagleDrafter:
@@ -72,11 +68,11 @@ class EagleDrafter:
 
     def _draft_logprobs(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, N] log-probabilities over the draft vocabulary (its columns)."""
-        return torch.log_softmax(_at_least_float32(self.head.logits(hidden)), -1)
+        return torch.log_softmax(at_least_float32(self.head.logits(hidden)), -1)
 
     def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[T, H] -> [T, V] over the target's vocabulary (-inf outside the draft vocabulary)."""
-        draft = _at_least_float32(self.head.logits(hidden))  # [T, N]
+        draft = at_least_float32(self.head.logits(hidden))  # [T, N]
         full = draft.new_full((draft.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.head.draft_to_target, draft)
 

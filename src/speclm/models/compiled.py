@@ -48,7 +48,7 @@ from ..tree import TreeMeta
 from .attention import MASKED_4D
 from .base import ForwardOutput, spread_hidden
 from .compiled_step import CompiledStep
-from .dtypes import cast_keeping_rotary, fast_dtype
+from .dtypes import at_least_float32, cast_keeping_rotary, fast_dtype
 from .hf_kwargs import cache_kwarg
 from .kv_cache import check_forward
 from .quant_linear import Int4Linear
@@ -244,7 +244,7 @@ class CompiledCausalLM:
             self._cache.length += n
             if want:
                 rows = out.logits[0, -want:]
-                logits.append(rows.to(torch.promote_types(rows.dtype, torch.float32)))
+                logits.append(at_least_float32(rows))
             if return_hidden:
                 hidden = tuple(None if h is None else h[0] for h in out.hidden_states)
         return ForwardOutput(logits=torch.cat(logits), hidden_states=hidden if return_hidden else None)

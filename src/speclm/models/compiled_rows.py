@@ -32,6 +32,7 @@ import torch
 from ..errors import SpeclmError
 from ..tree import TreeMeta
 from .base import spread_hidden
+from .dtypes import at_least_float32
 from .hf_kwargs import cache_kwarg
 from .rows import RowsOutput, TargetView, _select_layers, describe_target
 from .static_cache import (
@@ -166,7 +167,7 @@ class CompiledRows:
                         logits_to_keep=0 if want_logits else 1, output_hidden_states=layers,
                         **{cache_kwarg(model): self.cache})
             if want_logits:
-                logits.append(out.logits.to(torch.promote_types(out.logits.dtype, torch.float32)))
+                logits.append(at_least_float32(out.logits))
             if return_hidden:
                 hidden.append(out.hidden_states)
         self.cache.first_row = 0

@@ -18,6 +18,7 @@ import torch
 
 from . import c_shims
 from .block_groups import GroupBlockCalls
+from .dtypes import at_least_float32
 from .hf_kwargs import cache_kwarg
 from .static_cache import StaticKVCache
 
@@ -70,8 +71,7 @@ class CompiledStep:
             out = model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
                         use_cache=True, output_hidden_states=list(layers) if layers else False,
                         **{cache_kw: cache})
-            logits = out.logits  # [B, T, V]
-            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float32 (or 64)
+            logits = at_least_float32(out.logits)  # [B, T, V] float32 (or 64)
             if not layers:
                 return logits
             return logits, tuple(out.hidden_states[i] for i in layers)  # [B, T, H] each

@@ -29,6 +29,12 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
         ) from None
 
 
+def at_least_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32 when it is 16-bit (logits for a softmax or a sampler); float32 and float64
+    as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def fast_dtype(device: torch.device | str) -> torch.dtype:
     """bfloat16 where the device computes it natively (CPU with AVX512-BF16/AMX, CUDA with bf16
     support), else float32."""
