@@ -198,3 +198,21 @@ def test_adaptive_by_default_in_generate_chat_bench_and_the_api(model_dirs, caps
     monkeypatch.setattr("sys.stdin", __import__("io").StringIO("hello\n/stats\n/exit\n"))
     assert main(["chat", "--model", target, "--dtype", "float64", "-n", "4", "--verbose"]) == 0
     assert "verify cost (" in capsys.readouterr().err  # cached, or measured again if the machine was busy
+
+
+def test_a_tree_drafter_s_verify_cost_is_measured_as_wide_as_its_tree(model_dirs, monkeypatch):
+    """A tree of 12 nodes plus a 3-token lookup branch verifies up to 16 tokens: the cost curve
+    reaches that width instead of the draft cap's, so its nodes are priced by measurement, not
+    by extrapolating a curve that stopped at 1 + K."""
+    from speclm import LLM
+
+    monkeypatch.setenv("SPECLM_CACHE_DIR", str(model_dirs["target"].parent / "cost-cache-tree"))
+    llm = LLM(str(model_dirs["target"]), f"draft:path={model_dirs['draft']},tree=2,budget=12,lookup=3",
+              num_speculative_tokens=4, dtype="float64")
+    spec = llm.speculation
+    assert spec.draft_length.draft_max == 4 and spec.widest == 12 + 3
+    from speclm.sampling import SamplingParams
+
+    out = llm.generate("the quick brown fox", SamplingParams(max_tokens=6))[0]
+    assert out.stats.cost_model and llm.cost_model().asked == 1 + spec.widest
+    assert llm.cost_model().widths[-1] == 1 + spec.widest

@@ -152,7 +152,8 @@ def test_learned_drafters_read_features_from_the_compiled_step(target, name):
     assert any(len(key) == 2 for key, _ in fast._step.seen_hidden)  # (rows, tokens) graphs
 
 
-@pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree", "eagle-parallel", "medusa", "eagle-tree-lookup"])
+@pytest.mark.parametrize("name", ["eagle-chain", "eagle-tree", "eagle-parallel", "medusa", "eagle-tree-lookup",
+                                  "eagle-tree-reduced"])
 def test_sampling_matches_target_distribution(name):
     from itertools import product
 
@@ -171,7 +172,9 @@ def test_sampling_matches_target_distribution(name):
     if name == "medusa":
         drafter = MedusaDrafter(MedusaHeads.create(model, 2, ids).double(), [[0], [1], [0, 0], [1, 0]])
     else:
-        head = EagleHead.create(model, LAYERS, ids, parallel=3 if name.endswith("parallel") else 0).double()
+        # reduced: the head drafts tokens 0, 2, 3 and 5 only; 1 and 4 come from the target alone
+        columns = torch.tensor([0, 2, 3, 5]) if name.endswith("reduced") else ids
+        head = EagleHead.create(model, LAYERS, columns, parallel=3 if name.endswith("parallel") else 0).double()
         if name.endswith("parallel"):  # a mask pair far from the start: drafts that often miss
             with torch.no_grad():
                 head.mask_feature.normal_(generator=torch.Generator().manual_seed(3))
@@ -499,6 +502,31 @@ def test_an_exported_drafter_ships_for_its_own_target_only(target, tmp_path):
         shipped_folder(target, "medusa", root)
     with pytest.raises(SpeclmError, match="ships no eagle drafter for this target .it ships one for SmolLM2"):
         shipped_folder(target, "eagle")  # the drafter in the package is for the default model only
+
+
+def test_a_float32_head_on_a_cpu_without_native_bfloat16_runs_the_few_row_kernels(target, tmp_path, cpu_kernel,
+                                                                                  monkeypatch):
+    """Where bfloat16 is not native (an AVX2 CPU), a float32 target's head stays float32 and runs
+    the target's few-row kernels: a tree level of several rows costs about one row's forward.
+    It drafts, and the output is plain decoding's."""
+    from speclm.models.small_m import SmallMLinear
+
+    monkeypatch.setattr("speclm.learned.loader.fast_dtype", lambda device: torch.float32)
+    trained = tmp_path / "head"
+    trained.mkdir()
+    DrafterConfig("eagle", TargetIdentity.of(target, "tiny"), len(REDUCED), LAYERS).save(trained)
+    save_weights(EagleHead.create(target, LAYERS, REDUCED), trained)
+    single = tiny_model(V, seed=10).float()
+    drafter = load_learned_drafter(trained, backend(single), "eagle")
+    head = drafter.head
+    assert {p.dtype for p in head.parameters()} == {torch.float32}
+    assert type(head.layer.mlp.down_proj) is SmallMLinear and type(head.lm_head) is SmallMLinear
+    assert hasattr(type(head.norm), "_speclm_own_forward")  # the one-call norm (models/fast_norm.py)
+    greedy = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompt = torch.tensor([3, 5, 7, 11])
+    plain, _ = run(backend(single), prompt, greedy)
+    spec, stats = run(backend(single), prompt, greedy, drafter, 4)
+    assert spec == plain and stats.drafted_tokens > 0
 
 
 def test_best_static_tree_is_a_tree_in_order_of_estimated_acceptance():

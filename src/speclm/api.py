@@ -53,6 +53,14 @@ class Speculation:
     draft_length: DraftLengthConfig
     name: str
 
+    @property
+    def widest(self) -> int:
+        """The most tokens a round may verify beyond the pending one: the draft cap, or a tree
+        drafter's node budget (plus a merged lookup branch) where that is larger. Warm-up and
+        the cost model cover verifies this wide; a cost curve measured only up to the draft cap
+        would price a 21-node tree by extrapolation."""
+        return max_draft_tokens(self.drafter, self.draft_length.draft_max)
+
 
 @dataclass
 class RowDrafters:
@@ -164,7 +172,7 @@ class LLM:
             return
         k = speculation or 0
         if isinstance(speculation, Speculation):  # a tree may verify more tokens than K
-            k = max_draft_tokens(speculation.drafter, speculation.draft_length.draft_max)
+            k = speculation.widest
             # EAGLE/Medusa: the steps that return features
             layers = getattr(speculation.drafter, "feature_layers", None) or ()
         warm(k, layers=layers)
@@ -350,7 +358,7 @@ class LLM:
         stats = RequestStats(drafter=spec.name if spec is not None else "none", backend=self.backend_name)
         cost = None
         if spec is not None and spec.draft_length.adaptive:
-            cost = self.cost_model(1 + spec.draft_length.draft_max)
+            cost = self.cost_model(1 + spec.widest)
             stats.cost_model = cost.summary()
         detok = IncrementalDetokenizer(self.tokenizer, params.stop)
         steps = generate_tokens(

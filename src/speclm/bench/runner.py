@@ -296,7 +296,7 @@ def run_bench(
         if isinstance(setup, Speculation) or setup is False:
             llm_of[label].warmup(setup or None)
         if isinstance(setup, Speculation) and setup.draft_length.adaptive:  # measured (or read
-            llm_of[label].cost_model(1 + setup.draft_length.draft_max)  # from the cache) untimed
+            llm_of[label].cost_model(1 + setup.widest)  # from the cache) untimed
     if warmup:
         short = dataclasses.replace(params, max_tokens=8)
         for label, setup in setups.items():

@@ -9,7 +9,9 @@ import torch
 
 from ..errors import SpeclmError
 from ..models.dtypes import cast_keeping_rotary, fast_dtype
+from ..models.fast_norm import use_fast_norms
 from ..models.hf import HFCausalLM
+from ..models.small_m import use_small_m
 from .checkpoint import DrafterConfig, TargetIdentity, load_weights
 
 
@@ -70,5 +72,10 @@ def _load_module(folder: Path, kind: str, target: HFCausalLM):
                            config.parallel)
         load_weights(module, folder)
     module = cast_keeping_rotary(module.to(target.device), dtype)  # float32 rotary frequencies
+    # float32 on a CPU without native bfloat16 (AVX2): the target's few-row kernels, which read
+    # each weight row once for all of a tree level's rows (the BLAS packs weights per call and
+    # runs 4 rows at twice one row's cost); a no-op for other dtypes and devices
+    use_small_m(module)
+    use_fast_norms(module)
     _MODULES[key] = (config, module, target.model)
     return config, module

@@ -147,7 +147,7 @@ def build_engine(opts: ServeOptions):
     elif draft_length is not None:
         llm.warmup(widest, layers=layers)
     # the adaptive draft cap starts from the target's measured verify cost (cached per model)
-    prior = llm.cost_model(1 + draft_length.draft_max) if draft_length is not None and draft_length.adaptive else None
+    prior = llm.cost_model(1 + widest) if draft_length is not None and draft_length.adaptive else None
     engine = Engine(rows, drafter_factory=factory, draft_length=draft_length, cost_prior=prior,
                     prefill_chunk=opts.prefill_chunk,
                     drafter_name=rows_drafters.name if rows_drafters is not None else "none",
