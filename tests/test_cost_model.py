@@ -205,14 +205,13 @@ def test_a_tree_drafter_s_verify_cost_is_measured_as_wide_as_its_tree(model_dirs
     reaches that width instead of the draft cap's, so its nodes are priced by measurement, not
     by extrapolating a curve that stopped at 1 + K."""
     from speclm import LLM
+    from speclm.sampling import SamplingParams
 
     monkeypatch.setenv("SPECLM_CACHE_DIR", str(model_dirs["target"].parent / "cost-cache-tree"))
     llm = LLM(str(model_dirs["target"]), f"draft:path={model_dirs['draft']},tree=2,budget=12,lookup=3",
               num_speculative_tokens=4, dtype="float64")
     spec = llm.speculation
     assert spec.draft_length.draft_max == 4 and spec.widest == 12 + 3
-    from speclm.sampling import SamplingParams
-
     out = llm.generate("the quick brown fox", SamplingParams(max_tokens=6))[0]
     assert out.stats.cost_model and llm.cost_model().asked == 1 + spec.widest
     assert llm.cost_model().widths[-1] == 1 + spec.widest
