@@ -13,7 +13,7 @@ where it applies), medians of 15 after 3 warm-up runs, and prints the cost per M
     python benchmarks/small_m_gemm.py [--modes aten,speclm,inductor,autotune] [--rows 1,2,4,8,16]
     python benchmarks/small_m_gemm.py --modes q4-q8 --rows 1,4 --hot      # bound by what?
 
-``speclm`` is speclm's own small-M kernel (models/small_m.py; beyond its 10 rows it runs ATen);
+``speclm`` is speclm's own small-M kernel (models/small_m.py; beyond its ``MAX_ROWS`` rows it runs ATen);
 ``kernel`` calls that kernel at every M (where its row limit should sit). On the same shapes as
 GGUF Q4_1 blocks (random codes, 57 MB): ``q4-float`` (``speclm::small_m_blocks``, float
 activations), ``q4-q8`` (registered ``BlockLinear`` layers as a model runs them: 8-bit

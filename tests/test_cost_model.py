@@ -95,6 +95,11 @@ def test_cache_is_keyed_by_model_file_and_version(tmp_path, monkeypatch):
     monkeypatch.setattr(cm, "VERSION", cm.VERSION + 1)  # another measurement version: stale
     assert cm.cost_model(target, weights, max_width=9, clock=target.clock).origin == "measured"
     assert cm.cost_model(target, None, clock=target.clock).origin == "measured"  # no file (random weights): never cached
+    monkeypatch.setattr(cm, "kernel_in_use", lambda model: True)  # linear layers on speclm's CPU kernel
+    for build in ("speclm_small_m_aaaa", "speclm_small_m_bbbb"):  # a changed kernel: a new build, stale
+        monkeypatch.setattr(cm, "build_name", lambda build=build: build)
+        assert cm.cost_model(target, weights, max_width=9, clock=target.clock).origin == "measured"
+    assert cm.cost_model(target, weights, max_width=9, clock=target.clock).origin == "cached"
     calls = []
 
     def busy(t):  # another process took the CPU for a while: one plain step ten times slower

@@ -28,15 +28,17 @@ def kernel(cpu_kernel):
 
 
 @pytest.mark.parametrize("k", [576, 37, 8, 3])
-def test_kernel_matches_the_product_and_a_row_is_the_same_alone_or_among_others(kernel, k):
+@pytest.mark.parametrize("n", [67, 2])  # weight rows: tiles of 3, 2 and 1 weight rows
+def test_kernel_matches_the_product_and_a_row_is_the_same_alone_or_among_others(kernel, k, n):
     gen = torch.Generator().manual_seed(k)
-    w = torch.randn(67, k, generator=gen)  # an odd number of output rows
+    w = torch.randn(n, k, generator=gen)
     x = torch.randn(MAX_ROWS, k, generator=gen)
-    y = kernel(x, w)  # [MAX_ROWS, 67]
+    y = kernel(x, w)  # [MAX_ROWS, n]
     torch.testing.assert_close(y.double(), x.double() @ w.double().t(), rtol=1e-5, atol=1e-5 * k ** 0.5)
-    for m in range(1, MAX_ROWS + 1):
+    for m in range(1, MAX_ROWS + 1):  # every row tile (4 activation rows a tile) and its remainders
         assert torch.equal(kernel(x[:m], w), y[:m])
         assert torch.equal(kernel(x[m - 1:m], w), y[m - 1:m])
+    assert all(torch.equal(kernel(x, w[i:i + 1]), y[:, i:i + 1]) for i in range(min(n, 5)))  # a weight row alone
     strided = x.t().contiguous().t()  # the same values in another memory layout
     assert torch.equal(kernel(strided, w), y)
 

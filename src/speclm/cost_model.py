@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from .models.small_m import kernel_in_use
+from .models.small_m import build_name, kernel_in_use
 
 VERSION = 1  # of the measurement: caches of another version are measured again
 WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # tokens per forward (1 + K)
@@ -169,8 +169,9 @@ def file_stamp(model_file: Path | None) -> list | None:
 
 def cost_key(target, model_file: Path | None) -> dict | None:
     """What a measurement holds for: model file (path, size, modification time), backend, the
-    attention implementation, dtype, threads, device, the linear layers' kernel (models/small_m.py)
-    and this measurement's version; None for a model without a file (random weights), which is
+    attention implementation, dtype, threads, device, the linear layers' kernel (models/small_m.py:
+    the build, named by its sources, so a changed kernel is measured afresh) and this
+    measurement's version; None for a model without a file (random weights), which is
     measured afresh every time."""
     stamp = file_stamp(model_file)
     if stamp is None:
@@ -184,7 +185,7 @@ def cost_key(target, model_file: Path | None) -> dict | None:
                 attention=getattr(config, "_attn_implementation", None),  # a verify's cost depends on it
                 dtype=getattr(target, "numerics", None) or str(target.dtype).removeprefix("torch."),
                 threads=threads, device=str(target.device),
-                linear="small_m" if kernel_in_use(getattr(target, "model", None)) else "torch")
+                linear=build_name() if kernel_in_use(getattr(target, "model", None)) else "torch")
 
 
 def cache_path(key: dict, kind: str = "cost") -> Path:

@@ -3,9 +3,10 @@
 Speculation pays when a forward over the K + 1 tokens of a verify costs about what a one-token
 step costs. On an AVX2 CPU in float32 it does not with the BLAS: MKL runs 2-16 rows at 1.7-2.2x
 its one-row cost (docs/benchmarks.md, "Where a compiled float32 step goes on an AVX2 CPU"),
-because it packs the weights for a large product. ``small_m.cpp`` reads each weight row once
-for up to six activation rows, so a few rows cost little more than one, and the one-row product
-runs at the memory bandwidth.
+because it packs the weights for a large product. ``small_m.cpp`` multiplies tiles of 3 weight
+rows by 4 activation rows in registers, each weight row read from memory once for all rows and
+the next ones asked into L2 meanwhile, so a few rows cost little more than one, a tree's 16-32
+rows stay below the BLAS, and the one-row product runs at the memory bandwidth.
 
 It also sums every output in one fixed order whatever the number of rows, so a row's linear
 layers give bit-identical results in a one-token step and inside a verify.
@@ -42,7 +43,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 # rows up to which the kernels beat the BLAS (benchmarks/small_m_gemm.py --modes aten,kernel,q4-q8,q4-blas):
-MAX_ROWS = 16  # float weights: MKL's product is as fast at 16 rows and faster beyond
+MAX_ROWS = 32  # float weights: beyond, MKL's product is as fast (benchmarks/small_m_gemm.py --modes aten,kernel)
 BLOCK_MAX_ROWS = 32  # a GGUF's blocks with float activations (small_m_blocks): beyond, the BLAS is cheaper
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("small_m.cpp", "small_m_attention.cpp", "small_m_q8.cpp", "small_m_tiles.cpp",
@@ -56,6 +57,7 @@ _lock = threading.Lock()
 _loaded: bool | None = None  # None: not tried yet
 _enabled = True
 _shims = False  # the loaded build's C entry points are visible to a compiled step's C++ wrapper
+_level: str | None = None  # the instruction set of the build this process loaded
 
 
 def _cpu_has_avx2() -> bool:
@@ -117,7 +119,23 @@ def shims_available() -> bool:
     return kernel_available() and _shims
 
 
+def build_name(level: str | None = None) -> str:
+    """The kernels' build for instruction set ``level`` (default: what this process loaded, else
+    this CPU's): named by a digest of the sources and flags, so a changed kernel is a new build
+    (and a verify cost measured on the old one is not reused: cost_model.cost_key names it)."""
+    level = level or _level or isa()
+    flags = _ISA_FLAGS[level]
+    return f"speclm_small_m_{_sources_digest(' '.join(flags))}"
+
+
+@functools.cache
+def _sources_digest(flags: str) -> str:
+    sources = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
+    return hashlib.sha256(sources + flags.encode()).hexdigest()[:12]
+
+
 def _load() -> bool:
+    global _level
     if os.environ.get(ENV, "1") == "0" or not _cpu_has_avx2():
         return False
     if hasattr(torch.ops, "speclm") and hasattr(torch.ops.speclm, "small_m_mm"):
@@ -137,6 +155,7 @@ def _load() -> bool:
                         tried[tried.index(level) + 1])
             continue
         _register_fake()
+        _level = level
         if not torch.ops.speclm.enable_tiles(level == "amx") and level == "amx":
             log.warning("speclm: the OS refused this process AMX's tile state; the block kernels run on AVX-512")
         return True
@@ -148,9 +167,8 @@ def _build(level: str) -> None:
     from torch.utils.cpp_extension import _get_build_directory as _build_directory
     from torch.utils.cpp_extension import load
 
-    flags = _ISA_FLAGS[level]  # in the build's name: a build for one CPU is never loaded on another
-    sources = b"".join(p.read_bytes() for p in (*SOURCES, HEADER))
-    name = f"speclm_small_m_{hashlib.sha256(sources + ' '.join(flags).encode()).hexdigest()[:12]}"
+    flags = _ISA_FLAGS[level]
+    name = build_name(level)  # flags in the name: a build for one CPU is never loaded on another
     if not any(Path(_build_directory(name, False)).glob("*.so")):
         print(f"speclm: building the CPU kernels for float32 steps ({level}; once, 30-90 s) ...",
               file=sys.stderr, flush=True)
