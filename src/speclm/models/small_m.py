@@ -43,7 +43,7 @@ from torch import nn
 log = logging.getLogger(__name__)
 
 # rows up to which the kernels beat the BLAS (benchmarks/small_m_gemm.py --modes aten,kernel,q4-q8,q4-blas):
-MAX_ROWS = 32  # float weights: beyond, MKL's product is as fast (benchmarks/small_m_gemm.py --modes aten,kernel)
+MAX_ROWS = 32  # float weights: faster than MKL at every count to 32 (--modes aten,kernel); beyond, MKL
 BLOCK_MAX_ROWS = 32  # a GGUF's blocks with float activations (small_m_blocks): beyond, the BLAS is cheaper
 SOURCES = tuple(Path(__file__).with_name(n)
                 for n in ("small_m.cpp", "small_m_attention.cpp", "small_m_q8.cpp", "small_m_tiles.cpp",
