@@ -504,12 +504,14 @@ def test_an_exported_drafter_ships_for_its_own_target_only(target, tmp_path):
         shipped_folder(target, "eagle")  # the drafter in the package is for the default model only
 
 
-def test_a_float32_head_on_a_cpu_without_native_bfloat16_runs_the_few_row_kernels(target, tmp_path, cpu_kernel,
-                                                                                  monkeypatch):
-    """Where bfloat16 is not native (an AVX2 CPU), a float32 target's head stays float32 and runs
-    the target's few-row kernels: a tree level of several rows costs about one row's forward.
-    It drafts, and the output is plain decoding's."""
-    from speclm.models.small_m import SmallMLinear
+def test_a_float32_head_on_a_cpu_without_native_bfloat16_runs_in_8_bit_blocks(target, tmp_path, cpu_kernel,
+                                                                              monkeypatch):
+    """Where bfloat16 is not native (an AVX2 CPU), a float32 target's head is float32, and its
+    linear layers go to Q8_0 blocks on speclm's kernel (a quarter of the bytes a forward reads);
+    ``bits=0`` keeps them float32 on the target's few-row kernels. Either way it drafts, and the
+    output is plain decoding's; an unknown ``bits`` is refused in one line."""
+    from speclm.drafters.registry import parse_drafter
+    from speclm.models.small_m import BlockLinear, SmallMLinear
 
     monkeypatch.setattr("speclm.learned.loader.fast_dtype", lambda device: torch.float32)
     trained = tmp_path / "head"
@@ -517,16 +519,29 @@ def test_a_float32_head_on_a_cpu_without_native_bfloat16_runs_the_few_row_kernel
     DrafterConfig("eagle", TargetIdentity.of(target, "tiny"), len(REDUCED), LAYERS).save(trained)
     save_weights(EagleHead.create(target, LAYERS, REDUCED), trained)
     single = tiny_model(V, seed=10).float()
-    drafter = load_learned_drafter(trained, backend(single), "eagle")
-    head = drafter.head
-    assert {p.dtype for p in head.parameters()} == {torch.float32}
-    assert type(head.layer.mlp.down_proj) is SmallMLinear and type(head.lm_head) is SmallMLinear
-    assert hasattr(type(head.norm), "_speclm_own_forward")  # the one-call norm (models/fast_norm.py)
     greedy = SamplingParams(max_tokens=24, ignore_eos=True)
     prompt = torch.tensor([3, 5, 7, 11])
     plain, _ = run(backend(single), prompt, greedy)
-    spec, stats = run(backend(single), prompt, greedy, drafter, 4)
-    assert spec == plain and stats.drafted_tokens > 0
+    blocks = load_learned_drafter(trained, backend(single), "eagle").head  # bits: the default
+    floats = load_learned_drafter(trained, backend(single), "eagle", bits=0).head
+    assert blocks is not floats  # loaded once per choice, each kept for the drafters that share it
+    linears = ("fuse", "fc_in", "layer.self_attn.k_proj", "layer.mlp.down_proj", "lm_head")
+    for name in linears:
+        layer = blocks.get_submodule(name)
+        assert type(layer) is BlockLinear and layer.bits == 8
+        assert type(floats.get_submodule(name)) is SmallMLinear
+        weight = floats.get_submodule(name).weight
+        # Q8_0: each block of 32 inputs within half a step of its scale (max |w| / 127)
+        step = weight.abs().view(weight.shape[0], -1, 32).amax(-1, keepdim=True) / 127
+        assert ((layer.dequantized() - weight).view(step.shape[0], -1, 32).abs() <= step * 0.5001 + 1e-7).all()
+    assert hasattr(type(blocks.norm), "_speclm_own_forward")  # the one-call norm (models/fast_norm.py)
+    for bits in (None, 0):
+        drafter = load_learned_drafter(trained, backend(single), "eagle", bits=bits)
+        spec, stats = run(backend(single), prompt, greedy, drafter, 4)
+        assert spec == plain and stats.drafted_tokens > 0 and stats.accepted_tokens > 0
+    with pytest.raises(SpeclmError, match="eagle's bits must be one of 0, 8") as err:
+        parse_drafter("eagle:bits=4")
+    assert "\n" not in str(err.value)
 
 
 def test_best_static_tree_is_a_tree_in_order_of_estimated_acceptance():

@@ -20,9 +20,12 @@ drafter is one entry here and no name is tested for anywhere else.
                                      vocab=N: the draft's output layer covers only the N tokens
                                      the target predicts most (torch; 0, the default: all)
     medusa:path=DIR                  Medusa heads from `speclm train-drafter` (static tree)
-    eagle[:path=DIR,tree=4,budget=16,lookup=5]  an EAGLE head: from `speclm train-drafter` (path=DIR), or
-                                     without a path the one speclm ships for the target (a
-                                     one-line error where none ships); dynamic tree (tree=0: a chain)
+    eagle[:path=DIR,tree=4,budget=16,lookup=5,bits=B]  an EAGLE head: from `speclm train-drafter`
+                                     (path=DIR), or without a path the one speclm ships for the
+                                     target (a one-line error where none ships); dynamic tree
+                                     (tree=0: a chain); bits=8: the head's layers in 8-bit blocks,
+                                     bits=0: in its float dtype (default: 8-bit where the head would
+                                     be float32 on a CPU, i.e. one without native bfloat16)
     lookup=N (draft, distilled, quant, eagle; with tree=N): prompt lookup's chain of up to N tokens
                                      merged into every round's tree (a trie), for text that repeats
                                      the request (drafters/lookup_branch.py); eagle's tree has one
@@ -199,6 +202,11 @@ def _quant(ctx: BuildContext, o: dict) -> Drafter:
 def _check_learned(o: dict) -> None:
     if o["path"] is not None and not Path(o["path"]).expanduser().is_dir():
         raise SpeclmError(f"drafter folder {o['path']!r} does not exist (make one with speclm train-drafter)")
+    from ..learned.loader import HEAD_BITS
+
+    if o.get("bits") not in (None, *HEAD_BITS):
+        raise SpeclmError(f"eagle's bits must be one of {', '.join(map(str, HEAD_BITS))} "
+                          f"(8: the head's layers in 8-bit blocks, 0: in its float dtype), got {o['bits']}")
     _check_tree(o)
 
 
@@ -217,7 +225,7 @@ def _eagle(ctx: BuildContext, o: dict) -> Drafter:
 
         path = shipped_folder(ctx.target.model, "eagle")
     return load_learned_drafter(path, ctx.target, "eagle", top_k=max(1, o["tree"]),
-                                budget=o["budget"], tree=o["tree"] > 0, fit=bool(o["fit"]))
+                                budget=o["budget"], tree=o["tree"] > 0, fit=bool(o["fit"]), bits=o["bits"])
 
 
 def auto_candidates(ctx: BuildContext) -> tuple[str, ...]:
@@ -304,7 +312,8 @@ KINDS: dict[str, DrafterKind] = {kind.name: kind for kind in [
                 {"path": (str, REQUIRED)}, 4, _medusa, _check_learned, needs="hidden"),
     DrafterKind("eagle", "an EAGLE head made by `speclm train-drafter` (path=DIR), or the one shipped "
                 "for the target (a dynamic token tree, prompt lookup's chain merged in)",
-                {"path": (str, None), "tree": (int, 4), "budget": (int, 16), "fit": (int, 1), "lookup": (int, None)}, 5,
+                {"path": (str, None), "tree": (int, 4), "budget": (int, 16), "fit": (int, 1), "lookup": (int, None),
+                 "bits": (int, None)}, 5,
                 _eagle, _check_learned,
                 needs="hidden"),
     DrafterKind("auto", "measure candidates on the live requests and keep the fastest",

@@ -46,7 +46,7 @@ def _check(scheme: str, linear: nn.Linear, blocks: bool = False) -> None:
                           f"the model is {str(dt).removeprefix('torch.')}")
     if dev not in ("cpu", "cuda"):
         raise SpeclmError(f"{scheme} quantization runs on cpu or cuda, the model is on {dev}")
-    if blocks and _blocks_fit(linear):
+    if blocks and blocks_fit(linear):
         return
     try:  # probe the kernel once on a small layer of the same dtype and device
         probe = nn.Linear(128, 16, bias=False, device=w.device, dtype=dt)
@@ -58,7 +58,7 @@ def _check(scheme: str, linear: nn.Linear, blocks: bool = False) -> None:
                           f"on {dev} by this PyTorch build: {first}") from None
 
 
-def _blocks_fit(linear: nn.Linear) -> bool:
+def blocks_fit(linear: nn.Linear) -> bool:
     """Whether speclm's CPU block kernel runs ``linear`` rounded to blocks of 32 inputs: float32
     on a CPU where the kernel builds, input width a multiple of 32."""
     from .small_m import kernel_available
@@ -72,7 +72,7 @@ def _rounded(linear: nn.Linear, scheme: str, blocks: bool = False) -> nn.Module:
     """``linear`` rounded to ``scheme`` ("int8" or "int4") by PyTorch's kernels' layers; with
     ``blocks``, a float32 CPU layer goes to llama.cpp's block forms on speclm's kernel instead
     (int8: Q8_0, a scale per 32 inputs; int4: Q4_1, a scale and a minimum per 32 inputs)."""
-    if blocks and _blocks_fit(linear):
+    if blocks and blocks_fit(linear):
         from .gguf_int4 import block_activations, pack_q4
         from .quant_linear import int4_codes, q8_0_codes
         from .small_m import BlockLinear
@@ -107,7 +107,7 @@ def quantize_weights(model: nn.Module, scheme: str, *, skip: tuple[str, ...] = (
     if not linears:
         raise SpeclmError(f"{type(model).__name__} has no nn.Linear layers to quantize")
     # a layer that runs on PyTorch's kernels is probed; if every one goes to blocks, none is
-    _check(scheme, next((m for _, m in linears if not (blocks and _blocks_fit(m))), linears[0][1]), blocks)
+    _check(scheme, next((m for _, m in linears if not (blocks and blocks_fit(m))), linears[0][1]), blocks)
     if scheme == "int4":
         for name, m in linears:
             _group_size(m.in_features)  # fail before touching the model
