@@ -40,6 +40,42 @@ def test_tree_meta_of_the_docstring_example():
     assert allowed[4, 3:].tolist() == [1, 1, 0, 0, 1, 0]  # node 3: pending, node 0, itself
 
 
+def test_tree_meta_of_random_trees_matches_walking_the_parents():
+    """The host metadata (built with numpy) against a walk up each node's parents, on random
+    trees of 0-40 nodes; the mask in each dtype a model runs, its blocked entries the dtype's
+    minimum; a chain built by parents is the chain built directly."""
+    gen = torch.Generator().manual_seed(3)
+    for k in [0, 1, 2, 5, 16, 23, 40]:
+        parents = [int(torch.randint(-1, i, (1,), generator=gen)) if i else -1 for i in range(k)]
+        tree = TreeMeta.from_parents(torch.tensor(parents, dtype=torch.long))
+        assert tree.parents.tolist() == parents
+        assert {t.dtype for t in (tree.parents, tree.depth, tree.children)} == {torch.long}
+        assert tree.ancestors.dtype == torch.bool and tree.ancestors.shape == (k, k)
+        for i in range(k):
+            line, node = {i}, parents[i]
+            while node >= 0:
+                line.add(node)
+                node = parents[node]
+            assert tree.depth[i] == len(line)
+            assert {j for j in range(k) if tree.ancestors[i, j]} == line
+        assert tree.max_depth == (max(tree.depth.tolist()) if k else 0)
+        for row in range(-1, k):  # each row's children: its nodes in order, then -1s
+            kids = [i for i in range(k) if parents[i] == row]
+            assert [c for c in tree.children[row + 1].tolist() if c >= 0] == kids
+            assert tree.children[row + 1, len(kids):].eq(-1).all()
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            bias = tree.attention_bias(past=2, dtype=dtype, device=torch.device("cpu"), rows=min(3, k + 1))
+            assert bias.dtype == dtype and bias.shape == (1, 1, min(3, k + 1), 2 + k + 1)
+            assert set(bias.unique().tolist()) <= {0.0, torch.finfo(dtype).min}
+            seen = torch.cat([torch.ones(k + 1, 3, dtype=torch.bool),
+                              torch.cat([torch.zeros(1, k, dtype=torch.bool), tree.ancestors])], 1)
+            assert torch.equal(bias[0, 0] == 0, seen[-min(3, k + 1):])
+    chain = TreeMeta.from_parents(list(range(-1, 11)))
+    direct = TreeMeta.chain(12)
+    assert chain.is_chain and all(torch.equal(getattr(chain, f), getattr(direct, f))
+                                  for f in ("parents", "depth", "ancestors", "children"))
+
+
 def test_deep_chain_ancestors():
     tree = TreeMeta.chain(37)
     assert tree.depth.tolist() == list(range(1, 38))

@@ -35,6 +35,7 @@ class EagleDrafter:
         self.sizer = TreeSizer()  # how many tree nodes pay, calibrated over the requests it drafts
         self._new_cache = lambda: DynamicCache(config=head.config)
         self._param = next(head.parameters())
+        self._columns = head.draft_to_target.cpu().numpy()  # [N] target id of each draft column, on the host
         self.reset(torch.empty(0, dtype=torch.long))
 
     @property
@@ -116,7 +117,7 @@ class EagleDrafter:
         if self.tree is not None:  # grown over the draft vocabulary's columns
             self._fed_hidden = self.root_hidden.new_empty(0, self.root_hidden.shape[0])
             return grow_tree(self._draft_logprobs(self.root_hidden.view(1, -1))[0], self, ctx.max_tokens,
-                             self.tree, ctx.verify_s, self.sizer, vocab=self.head.draft_to_target)
+                             self.tree, ctx.verify_s, self.sizer, vocab=self._columns)
         return self._chain(self._full_logits(self.root_hidden.view(1, -1)), ctx)  # [1, V]
 
     def _chain(self, logits: torch.Tensor, ctx: DraftContext) -> Draft:

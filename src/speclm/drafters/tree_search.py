@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from ..errors import SpeclmError
@@ -85,10 +86,10 @@ class TreeSizer:
         self._pending: float | None = None  # predicted accepted tokens of the last kept tree
         self.expand_s: float | None = None  # seconds of one expansion (drafter forward), moving average
 
-    def _best(self, sorted_scores: torch.Tensor, budget: int, verify_s: Callable[[int], float],
+    def _best(self, sorted_scores: np.ndarray, budget: int, verify_s: Callable[[int], float],
               draft_s: float) -> tuple[int, float, float | None]:
         """(n, its rate, its expected accepted tokens) for the best count n in [1, budget]."""
-        confidence = sorted_scores[:budget].double().exp().cumsum(0).tolist()  # [n]: sum of the first n
+        confidence = np.exp(np.asarray(sorted_scores[:budget], dtype=np.float64)).cumsum().tolist()  # [n]: sum of the first n
         best_n, best_rate = 1, -math.inf
         for n, expected in enumerate(confidence, start=1):
             rate = (1.0 + self.calibration * expected) / (draft_s + verify_s(n))
@@ -96,20 +97,20 @@ class TreeSizer:
                 best_n, best_rate = n, rate
         return best_n, best_rate, (confidence[best_n - 1] if confidence else None)
 
-    def keep(self, sorted_scores: torch.Tensor, budget: int, verify_s: Callable[[int], float],
+    def keep(self, sorted_scores: np.ndarray, budget: int, verify_s: Callable[[int], float],
              draft_s: float) -> int:
         """How many of the ``sorted_scores`` ([N] path log-confidences, best first) to keep."""
         best_n, _, self._pending = self._best(sorted_scores, budget, verify_s, draft_s)
         return best_n
 
-    def worth_expanding(self, sorted_scores: torch.Tensor, frontier_scores: torch.Tensor, budget: int,
+    def worth_expanding(self, sorted_scores: np.ndarray, frontier_scores: np.ndarray, budget: int,
                         verify_s: Callable[[int], float], draft_s: float) -> bool:
         """Whether expanding the frontier ([F] path log-confidences) might raise the best rate
         the candidates so far ([N], best first) give; True while no expansion was timed."""
         if self.expand_s is None:
             return True
         _, rate, _ = self._best(sorted_scores, budget, verify_s, draft_s)
-        gain = self.calibration * float(frontier_scores.double().exp().sum())  # tokens, at most
+        gain = self.calibration * float(np.exp(np.asarray(frontier_scores, dtype=np.float64)).sum())  # tokens, at most
         return gain > rate * self.expand_s
 
     def timed_expansion(self, seconds: float) -> None:
@@ -130,64 +131,67 @@ class TreeSizer:
 
 def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, shape: TreeShape,
               verify_s: Callable[[int], float] | None = None, sizer: TreeSizer | None = None,
-              vocab: torch.Tensor | None = None) -> Draft:
+              vocab: np.ndarray | torch.Tensor | None = None) -> Draft:
     """Grow a tree of at most ``depth`` levels from the pending token's draft log-probs ([V]).
 
-    ``vocab`` ([V] token ids), where the drafter scores a reduced draft vocabulary: the target's
-    token id of each column (an EAGLE head's 8k columns need no 49k-wide log-softmax or top-k);
-    None: column i is token i.
+    ``vocab`` ([V] token ids, best a host array the drafter keeps), where the drafter scores a
+    reduced draft vocabulary: the target's token id of each column (an EAGLE head's 8k columns
+    need no 49k-wide log-softmax or top-k); None: column i is token i.
 
     Keeps ``shape.budget`` nodes, or, given the target's verify cost (``verify_s(n)``: seconds
     of a forward verifying n drafted tokens) and a ``sizer``, the number that pays best.
-    Candidate bookkeeping lives on the host (a few dozen entries); one sync per level brings the
-    new candidates' top-k over.
+    Candidate bookkeeping lives on the host in numpy (a few dozen entries, where each torch op
+    would cost more than its work); one sync per level brings the new candidates' top-k over.
     """
     started = time.perf_counter()
     k = min(shape.top_k, root_logprobs.shape[-1])
-    ids = (lambda cols: cols) if vocab is None else (lambda cols, v=vocab.cpu(): v[cols])  # column -> token
-    scores, tokens = (t.cpu() for t in torch.topk(root_logprobs.float(), k))  # [N] candidates
-    tokens = ids(tokens)
-    parent = torch.full((k,), -1, dtype=torch.long)  # [N] each candidate's parent candidate
-    level = torch.ones(k, dtype=torch.long)  # [N] depth of each candidate
-    fed_index = torch.full((k,), -1, dtype=torch.long)  # [N] position among expanded nodes, or -1
-    fed_parents = torch.empty(0, dtype=torch.long)  # [F] parents of the expanded nodes, as positions
-    frontier = torch.arange(k)  # candidates to expand next
+    columns = None if vocab is None else np.asarray(vocab.cpu() if isinstance(vocab, torch.Tensor) else vocab)
+
+    def best(logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:  # [..., V] -> ([..., k], token ids)
+        values, cols = (t.cpu().numpy() for t in torch.topk(logprobs.float(), k, dim=-1))
+        return values, (cols if columns is None else columns[cols])
+
+    scores, tokens = best(root_logprobs)  # [N] candidates' path confidences and tokens
+    parent = np.full(k, -1, dtype=np.int64)  # [N] each candidate's parent candidate
+    level = np.ones(k, dtype=np.int64)  # [N] depth of each candidate
+    fed_index = np.full(k, -1, dtype=np.int64)  # [N] position among expanded nodes, or -1
+    fed_parents = np.empty(0, dtype=np.int64)  # [F] parents of the expanded nodes, as positions
+    frontier = np.arange(k)  # candidates to expand next
     sized = shape.fit and verify_s is not None and sizer is not None
     for d in range(2, depth + 1):
         # no child can be kept (the budget holds better candidates), or none can pay for its forward
-        ranked = torch.sort(scores, descending=True).values  # [N]
+        ranked = -np.sort(-scores)  # [N], best first
         if ranked.shape[0] >= shape.budget and ranked[shape.budget - 1] >= scores[frontier].max():
             break
         if sized and not sizer.worth_expanding(ranked, scores[frontier], shape.budget, verify_s,
                                                time.perf_counter() - started):
             break
-        fed_index[frontier] = torch.arange(fed_parents.shape[0], fed_parents.shape[0] + frontier.shape[0])
+        fed_index[frontier] = np.arange(fed_parents.shape[0], fed_parents.shape[0] + frontier.shape[0])
         up = parent[frontier]
-        fed_parents = torch.cat([fed_parents, torch.where(up >= 0, fed_index[up.clamp(min=0)], -1)])
+        fed_parents = np.concatenate([fed_parents, np.where(up >= 0, fed_index[np.maximum(up, 0)], -1)])
         expand_started = time.perf_counter()
-        logprobs = stepper.expand(tokens[frontier], TreeMeta.from_parents(fed_parents))  # [T, V]
-        child_scores, child_tokens = (t.cpu() for t in torch.topk(logprobs.float(), k, dim=-1))  # [T, k]
-        child_tokens = ids(child_tokens)
-        child_scores = (scores[frontier].unsqueeze(1) + child_scores).flatten()  # cumulative
-        new = torch.arange(scores.shape[0], scores.shape[0] + child_scores.shape[0])
-        scores = torch.cat([scores, child_scores])
-        tokens = torch.cat([tokens, child_tokens.flatten()])
-        parent = torch.cat([parent, frontier.repeat_interleave(k)])
-        level = torch.cat([level, torch.full(new.shape, d, dtype=torch.long)])
-        fed_index = torch.cat([fed_index, torch.full(new.shape, -1, dtype=torch.long)])
-        frontier = new[torch.topk(child_scores, min(k, new.shape[0])).indices]
+        logprobs = stepper.expand(torch.from_numpy(tokens[frontier]), TreeMeta.from_parents(fed_parents))  # [T, V]
+        child_scores, child_tokens = best(logprobs)  # [T, k] each
+        child_scores = (scores[frontier][:, None] + child_scores).ravel()  # cumulative
+        new = np.arange(scores.shape[0], scores.shape[0] + child_scores.shape[0])
+        scores = np.concatenate([scores, child_scores])
+        tokens = np.concatenate([tokens, child_tokens.ravel()])
+        parent = np.concatenate([parent, np.repeat(frontier, k)])
+        level = np.concatenate([level, np.full(new.shape, d, dtype=np.int64)])
+        fed_index = np.concatenate([fed_index, np.full(new.shape, -1, dtype=np.int64)])
+        frontier = new[np.argsort(-child_scores, kind="stable")[:k]]
         if sizer is not None:
             sizer.timed_expansion(time.perf_counter() - expand_started)
     # keep the most confident; on equal scores the shallower first, so ancestors come first
-    order = torch.sort(level, stable=True).indices
-    order = order[torch.sort(-scores[order], stable=True).indices]
+    order = np.argsort(level, kind="stable")
+    order = order[np.argsort(-scores[order], kind="stable")]
     budget = shape.budget
     if sized:
         budget = sizer.keep(scores[order], budget, verify_s, time.perf_counter() - started)
     kept = order[:budget]
-    kept = kept[torch.argsort(level[kept] * scores.shape[0] + kept)]  # topological order
-    position = torch.full(scores.shape, -1, dtype=torch.long)
-    position[kept] = torch.arange(kept.shape[0])
+    kept = kept[np.argsort(level[kept] * scores.shape[0] + kept)]  # topological order (distinct keys)
+    position = np.full(scores.shape, -1, dtype=np.int64)
+    position[kept] = np.arange(kept.shape[0])
     up = parent[kept]
-    parents = torch.where(up >= 0, position[up.clamp(min=0)], -1)
-    return Draft(tokens[kept], None, TreeMeta.from_parents(parents))
+    parents = np.where(up >= 0, position[np.maximum(up, 0)], -1)
+    return Draft(torch.from_numpy(tokens[kept].astype(np.int64)), None, TreeMeta.from_parents(parents))
