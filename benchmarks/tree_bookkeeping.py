@@ -41,7 +41,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=300)
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
-    vocab = torch.randperm(49152, generator=gen)[: args.columns]  # each column's target id
+    vocab = torch.randperm(49152, generator=gen)[: args.columns].numpy()  # each column's target id
     levels = [torch.log_softmax(3 * torch.randn(args.top_k, args.columns, generator=gen), -1) for _ in range(4)]
 
     class Stepper:

@@ -131,10 +131,10 @@ class TreeSizer:
 
 def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, shape: TreeShape,
               verify_s: Callable[[int], float] | None = None, sizer: TreeSizer | None = None,
-              vocab: np.ndarray | torch.Tensor | None = None) -> Draft:
+              vocab: np.ndarray | None = None) -> Draft:
     """Grow a tree of at most ``depth`` levels from the pending token's draft log-probs ([V]).
 
-    ``vocab`` ([V] token ids, best a host array the drafter keeps), where the drafter scores a
+    ``vocab`` ([V] token ids, a host array the drafter keeps), where the drafter scores a
     reduced draft vocabulary: the target's token id of each column (an EAGLE head's 8k columns
     need no 49k-wide log-softmax or top-k); None: column i is token i.
 
@@ -145,11 +145,10 @@ def grow_tree(root_logprobs: torch.Tensor, stepper: TreeStepper, depth: int, sha
     """
     started = time.perf_counter()
     k = min(shape.top_k, root_logprobs.shape[-1])
-    columns = None if vocab is None else np.asarray(vocab.cpu() if isinstance(vocab, torch.Tensor) else vocab)
 
     def best(logprobs: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:  # [..., V] -> ([..., k], token ids)
         values, cols = (t.cpu().numpy() for t in torch.topk(logprobs.float(), k, dim=-1))
-        return values, (cols if columns is None else columns[cols])
+        return values, (cols if vocab is None else vocab[cols])
 
     scores, tokens = best(root_logprobs)  # [N] candidates' path confidences and tokens
     parent = np.full(k, -1, dtype=np.int64)  # [N] each candidate's parent candidate
