@@ -12,7 +12,7 @@
 // Every output y[m, n] is summed in one fixed order that does not depend on M or on the tile it
 // runs in: one 8-lane accumulator over K in steps of 8, reduced in a fixed tree, then any tail of
 // K (K % 8) added in order. A row therefore gets bit-identical results alone or among others.
-#include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

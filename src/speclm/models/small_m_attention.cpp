@@ -15,7 +15,7 @@
 // kSharedHeads at a time, each slot's key and value loaded once for all of them: the cache is read
 // from L2 once per group instead of once per head, and each head's arithmetic is what it would be
 // alone (a head's output has the same bits whichever heads run beside it).
-#include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 

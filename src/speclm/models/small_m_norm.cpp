@@ -8,8 +8,10 @@
 // x * r first, then the weight; the weight plus its offset rounded to float32 first); only the
 // sum of squares runs in another order (16 lanes, then a fixed tree), which does not depend on
 // how many rows share the call: a row has the same bits alone or in a batch.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 
 #include <cmath>
 

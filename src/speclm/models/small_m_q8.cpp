@@ -14,7 +14,7 @@
 //
 // As everywhere in speclm's kernels, every output is summed in one fixed order (blocks in input
 // order into 8 lanes, then a fixed tree), so a row's result is the same alone or among others.
-#include <torch/extension.h>
+#include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>

@@ -15,7 +15,6 @@
 // and a length, each output an AtenTensorHandle* the entry point fills.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/inductor/aoti_torch/utils.h>
-#include <torch/extension.h>
 
 namespace {
 
