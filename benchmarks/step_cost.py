@@ -9,6 +9,7 @@ not, and this script measures it for the model at hand (median of ``--reps`` run
     python benchmarks/step_cost.py --compile --quantize gguf --activations q8,float
     python benchmarks/step_cost.py --compile --quantize gguf --groups on,off
     python benchmarks/step_cost.py --compile --quantize gguf --wrapper python,cpp
+    python benchmarks/step_cost.py --compile --quantize gguf --wrapper cpp,cpp-o3   # wrapper at -O2 / -O3
     python benchmarks/step_cost.py --compile --quantize gguf --widths 1 8 --profile   # where it goes
 
 ``SPECLM_CPU_KERNEL=0`` runs float32 layers on torch's own products instead of speclm's small-M
@@ -17,7 +18,8 @@ those for the linear layers but runs attention on PyTorch's SDPA; ``SPECLM_GGUF_
 runs a GGUF's blocks on float activations instead of llama.cpp's 8-bit ones; ``--groups off``
 compiles one kernel call per GGUF layer instead of one per set of layers reading the same input
 (models/block_groups.py); ``--wrapper python`` compiles the step's wrapper in Python instead of C++
-(models/c_shims.py).
+(models/c_shims.py), ``--wrapper cpp-o3`` compiles it with the fused loops in one file at -O3
+(inductor's default) instead of alone at -O2.
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ def main() -> None:
         ap.error("--activations, --groups and --wrapper each make the variants: give one of them")
     if args.groups and not set(args.groups.split(",")) <= {"on", "off"}:
         ap.error(f"--groups takes on, off or on,off, got {args.groups!r}")
-    if args.wrapper and not set(args.wrapper.split(",")) <= {"python", "cpp"}:
-        ap.error(f"--wrapper takes python, cpp or python,cpp, got {args.wrapper!r}")
+    if args.wrapper and not set(args.wrapper.split(",")) <= {"python", "cpp", "cpp-o3"}:
+        ap.error(f"--wrapper takes python, cpp, cpp-o3 or a comma-separated list of them, got {args.wrapper!r}")
     if args.attention == "sdpa":
         from speclm.models import attention
 
@@ -75,11 +77,13 @@ def main() -> None:
         if kind == "groups":
             block_groups.GROUPING = value == "on"  # read when the graphs compile (warmup)
         if kind == "wrapper":
-            c_shims.CPP_WRAPPER = value == "cpp"  # read when the step is built
+            c_shims.CPP_WRAPPER = value != "python"  # read when the step is built
+            c_shims.WRAPPER_OPT_LEVEL = "O3" if value == "cpp-o3" else "O2"
         lm = load_model(args.model, backend="torch", compile=args.compile, quantize=args.quantize,
                         dtype=args.dtype).backend
         if hasattr(lm, "warmup"):
-            lm.warmup(max(args.widths) - 1)
+            compiled_s = lm.warmup(max(args.widths) - 1)
+            print(f"{value or lm.backend_name}: compiled in {compiled_s:.0f} s", flush=True)
         variants[f"{kind} {value}" if kind else lm.backend_name] = lm
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, next(iter(variants.values())).vocab_size, (args.context,), generator=gen)

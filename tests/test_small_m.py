@@ -402,7 +402,8 @@ def test_the_compiled_wrapper_calls_every_op_through_its_c_entry_point(cpu_kerne
 
 def test_a_step_with_the_c_wrapper_is_kept_in_inductor_s_graph_cache(cpu_kernel, monkeypatch, tmp_path):
     """The wrapper's options pickle (inductor keys its on-disk graph cache by them), so a step
-    compiled once is loaded, not compiled again, by the next compile (the next process)."""
+    compiled once is loaded, not compiled again, by the next compile (the next process); the
+    wrapper is built in a file of its own (at -O2), the fused loops in another."""
     import pickle
 
     from torch._dynamo.utils import counters
@@ -410,8 +411,10 @@ def test_a_step_with_the_c_wrapper_is_kept_in_inductor_s_graph_cache(cpu_kernel,
     from speclm.models import c_shims, compiled_step
 
     monkeypatch.setattr(c_shims, "CPP_WRAPPER", True)
+    monkeypatch.setattr(c_shims, "WRAPPER_OPT_LEVEL", "O2")
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     options = compiled_step.compile_options("inductor", None, False)
+    assert options["aot_inductor.compile_wrapper_opt_level"] == "O2" and options["cpp_wrapper_build_separate"]
     table = options["aot_inductor.custom_ops_to_c_shims"]
     assert pickle.loads(pickle.dumps(table)) == table
     weight = torch.randn(24, 96, generator=torch.Generator().manual_seed(3))
@@ -425,6 +428,7 @@ def test_a_step_with_the_c_wrapper_is_kept_in_inductor_s_graph_cache(cpu_kernel,
                                 options=options)(x)
         runs.append((out, dict(counters["inductor"])))
     assert runs[0][1].get("fxgraph_cache_miss") == 1 and runs[1][1].get("fxgraph_cache_hit") == 1, runs
+    assert len(list(tmp_path.rglob("*.main.cpp"))) == 1 and len(list(tmp_path.rglob("*.optimized.cpp"))) == 1
     assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][0], torch.ops.speclm.small_m_mm(x, weight) * 2)
 
 

@@ -27,6 +27,12 @@ from . import small_m
 
 ENV = "SPECLM_CPP_WRAPPER"  # "0": the Python wrapper
 CPP_WRAPPER = os.environ.get(ENV, "1") != "0"  # read when a step is compiled
+# The wrapper's optimization level. Inductor compiles a C++ wrapper and the fused loops as one
+# file at -O3 by default, and -O3 on the wrapper (one straight-line function of ~1,000 calls for
+# the default model) took g++ 145 s of the file's 150 s on a Zen 3 VM, for each compiled graph;
+# at -O2 it takes 35 s. "O2": the wrapper in its own file at -O2, the loops at -O3 as before;
+# "O3": inductor's one file (for a before/after: benchmarks/step_cost.py --wrapper cpp,cpp-o3).
+WRAPPER_OPT_LEVEL = "O2"
 
 # op -> the declaration of its entry point, as inductor writes a call for its schema (a Tensor? is
 # a pointer to a handle, a bool an int32_t, an int[] a pointer and a length, outputs last)
@@ -54,7 +60,10 @@ def wrapper_options() -> dict:
     wrapper) where it is turned off or the kernels' entry points are not loaded."""
     if not CPP_WRAPPER or not small_m.shims_available():
         return {}
-    return {"cpp_wrapper": True, "aot_inductor.custom_ops_to_c_shims": _ShimTable(tuple(DECLARATIONS.items()))}
+    options = {"cpp_wrapper": True, "aot_inductor.custom_ops_to_c_shims": _ShimTable(tuple(DECLARATIONS.items()))}
+    if WRAPPER_OPT_LEVEL != "O3":
+        options.update({"cpp_wrapper_build_separate": True, "aot_inductor.compile_wrapper_opt_level": WRAPPER_OPT_LEVEL})
+    return options
 
 
 class _ShimTable(dict):
