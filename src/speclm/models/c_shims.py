@@ -29,7 +29,7 @@ ENV = "SPECLM_CPP_WRAPPER"  # "0": the Python wrapper
 CPP_WRAPPER = os.environ.get(ENV, "1") != "0"  # read when a step is compiled
 # The wrapper's optimization level. Inductor compiles a C++ wrapper and the fused loops as one
 # file at -O3 by default, and -O3 on the wrapper (one straight-line function of ~1,000 calls for
-# the default model) took g++ 145 s of the file's 150 s on a Zen 3 VM, for each compiled graph;
+# the default model) took g++ 145 s on a Zen 3 VM (the loops: 4 s), for each compiled graph;
 # at -O2 it takes 35 s. "O2": the wrapper in its own file at -O2, the loops at -O3 as before;
 # "O3": inductor's one file (for a before/after: benchmarks/step_cost.py --wrapper cpp,cpp-o3).
 WRAPPER_OPT_LEVEL = "O2"

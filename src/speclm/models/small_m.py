@@ -20,7 +20,7 @@ for the default model in float32 on an AVX2 CPU; this one runs its step in a fra
 parameters, tied weights stay tied), which runs the kernel for float32 inputs of at most
 :data:`MAX_ROWS` rows on the CPU with autograd off, and ``F.linear`` otherwise (larger prefills,
 other dtypes, other devices, training). The kernel is compiled on first use with PyTorch's C++
-extension loader (g++ and ninja, under a minute once, cached per machine); where that fails, or the
+extension loader (g++ and ninja, about a minute once, cached per machine); where that fails, or the
 CPU lacks AVX2/FMA, or ``SPECLM_CPU_KERNEL=0``, every layer runs ``F.linear`` as before.
 """
 
@@ -170,7 +170,7 @@ def _build(level: str) -> None:
     flags = _ISA_FLAGS[level]
     name = build_name(level)  # flags in the name: a build for one CPU is never loaded on another
     if not any(Path(_build_directory(name, False)).glob("*.so")):
-        print(f"speclm: building the CPU kernels for float32 steps ({level}; once, under a minute) ...",
+        print(f"speclm: building the CPU kernels for float32 steps ({level}; once, about a minute) ...",
               file=sys.stderr, flush=True)
     # -fopenmp: at::parallel_for's threads; -ffp-contract=off: the roundings written, no fused ones
     load(name=name, sources=[str(p) for p in SOURCES], extra_include_paths=[str(HEADER.parent)],
