@@ -306,12 +306,14 @@ def test_real_model_greedy_identity():
 
 def test_api_and_cli_select_the_fast_path(model_dirs, capsys):
     """LLM(compile=True) / --compile run the compiled backend (stats say so) and give plain
-    eager decoding's greedy tokens in float64; layer drafters refuse it in one line."""
+    eager decoding's greedy tokens in float64; layer drafters refuse it in one line. K = 1:
+    the warm-up compiles the 1- and 2-token graphs only (each ~25 s from a cold cache), which
+    the CLI's run with --draft-max 1 then finds in the cache."""
     from speclm import LLM, SamplingParams
     from speclm.cli import main
 
-    eager = LLM(str(model_dirs["target"]), "ngram", 4, dtype="float64", backend="torch")
-    fast = LLM(str(model_dirs["target"]), "ngram", 4, dtype="float64", compile=True)
+    eager = LLM(str(model_dirs["target"]), "ngram", 1, dtype="float64", backend="torch")
+    fast = LLM(str(model_dirs["target"]), "ngram", 1, dtype="float64", compile=True)
     assert fast.backend_name == "torch-compiled" and eager.backend_name == "torch"
     params = SamplingParams(max_tokens=24)
     want = eager.generate("the quick brown fox", params, speculative=False)[0].token_ids
@@ -320,7 +322,7 @@ def test_api_and_cli_select_the_fast_path(model_dirs, capsys):
     with pytest.raises(SpeclmError, match="--backend torch"):
         fast.make_speculation("early-exit")
     assert main(["generate", "--model", str(model_dirs["target"]), "--compile", "--dtype", "float64",
-                 "-n", "8", "--raw", "the quick"]) == 0
+                 "--draft-max", "1", "-n", "8", "--raw", "the quick"]) == 0
     assert "on torch-compiled" in capsys.readouterr().err
 
 

@@ -154,16 +154,22 @@ def test_rounds_of_trees_match_recomputation(llm, ids, max_parked):
             committed += nodes[path].tolist() + [rng.randrange(300, 3000)]
 
 
+@pytest.fixture(scope="module")
+def plain_48(llm):
+    """Plain greedy answers to PROMPTS, 48 tokens each, decoded once for the module."""
+    params = SamplingParams(max_tokens=48)
+    return [llm.chat([{"role": "user", "content": text}], params, speculative=False).token_ids
+            for text in PROMPTS]
+
+
 @pytest.mark.parametrize("spec", ["ngram", "suffix", "recycle", "draft:path=default,tree=3,budget=8"])
-def test_greedy_identity_with_llamacpp_plain(llm, spec):
+def test_greedy_identity_with_llamacpp_plain(llm, plain_48, spec):
     setup = llm.make_speculation(spec, 4 if spec.startswith("draft") else None, adaptive_draft=False)
     params = SamplingParams(max_tokens=48)
     accepted = 0
-    for text in PROMPTS:
-        messages = [{"role": "user", "content": text}]
-        plain = llm.chat(messages, params, speculative=False)
-        out = llm.chat(messages, params, speculative=setup)
-        assert out.token_ids == plain.token_ids, (spec, text)
+    for text, plain in zip(PROMPTS, plain_48):
+        out = llm.chat([{"role": "user", "content": text}], params, speculative=setup)
+        assert out.token_ids == plain, (spec, text)
         assert out.stats.backend == "llamacpp"
         accepted += out.stats.accepted_tokens
     assert accepted > 0

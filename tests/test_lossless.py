@@ -8,7 +8,9 @@
 - a draft model equal to the target accepts every token (tau == K + 1);
 - sampling: the distribution of short generated sequences matches the target's exact one
   (chi-square against the enumerated distribution), for drafters that produce q (draft models,
-  layer skipping) and deterministic ones (prompt lookup, recycling, suffix matching, auto).
+  layer skipping) and deterministic ones (prompt lookup, recycling, suffix matching, auto),
+  unseeded; seeded, each drafter's requests equal plain seeded decoding's on the same adversarial
+  setup, whose own distribution is tested once.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from speclm.stats import RequestStats
 from .conftest import backend, noisy_copy, tiny_model
 
 VOCAB = 96
+SEEDED_REQUESTS = 300  # per drafter in the sampling test: each must equal plain seeded decoding
 
 
 @pytest.fixture(scope="module")
@@ -190,11 +193,13 @@ def assert_matches_distribution(counts: torch.Tensor, expected: torch.Tensor) ->
 @pytest.mark.parametrize("kind", ["draft-model", "draft-model-p_min", "ngram", "layerskip",
                                   "recycle", "suffix", "auto", "draft-model-tree"])
 def test_sampling_matches_target_distribution(kind):
-    """Three tokens per request with K = 2, so one round can accept both drafts plus a bonus,
-    unseeded requests (rejection sampling) and, for the first 1,500, seeded ones too (keyed
-    draws: request i has seed i). Learners (recycling, suffix, auto) keep their state from
-    request to request: each draft is a function of what came before, which is all
-    losslessness asks."""
+    """Three tokens per request with K = 2, so one round can accept both drafts plus a bonus:
+    1,500 unseeded requests (rejection sampling) match the exact distribution by chi-square;
+    then 300 seeded ones (keyed draws, request i has seed i) each give plain seeded decoding's
+    tokens, so they follow plain seeded decoding's distribution, which
+    test_seeded_plain_sampling_matches_target_distribution checks. Learners (recycling, suffix,
+    auto) keep their state from request to request: each draft is a function of what came
+    before, which is all losslessness asks."""
     vocab, length, n = 5, 3, 1500
     target_model, lm, params, prompt, expected = sampling_setup(vocab, length)
     config = DraftLengthConfig(draft_max=2)
@@ -222,16 +227,33 @@ def test_sampling_matches_target_distribution(kind):
     else:
         drafter = NgramDrafter(1, 2)
     gen = torch.Generator().manual_seed(1234)
-    for seeded in (False, True):
-        counts = torch.zeros(vocab**length, dtype=torch.float64)
-        accepted = 0
-        for i in range(n):
-            request = replace(params, seed=i) if seeded else params
-            seq, stats = run(lm, prompt, request, drafter, config, None if seeded else gen)
-            counts[(torch.tensor(seq) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
-            accepted += stats.accepted_tokens
-        assert accepted > n // 10  # speculation really happened
-        assert_matches_distribution(counts, expected)
+    counts = torch.zeros(vocab**length, dtype=torch.float64)
+    accepted = 0
+    for _ in range(n):
+        seq, stats = run(lm, prompt, params, drafter, config, gen)
+        counts[(torch.tensor(seq) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
+        accepted += stats.accepted_tokens
+    assert accepted > n // 10  # speculation really happened
+    assert_matches_distribution(counts, expected)
+    accepted = 0
+    for i in range(SEEDED_REQUESTS):
+        request = replace(params, seed=i)
+        seq, stats = run(lm, prompt, request, drafter, config)
+        assert seq == run(lm, prompt, request)[0], f"seed {i}"
+        accepted += stats.accepted_tokens
+    assert accepted > SEEDED_REQUESTS // 10
+
+
+def test_seeded_plain_sampling_matches_target_distribution():
+    """Plain seeded decoding over seeds 0..1,499 follows the exact distribution: with the seeded
+    identity of every drafter above, so does seeded speculation."""
+    vocab, length, n = 5, 3, 1500
+    _, lm, params, prompt, expected = sampling_setup(vocab, length)
+    counts = torch.zeros(vocab**length, dtype=torch.float64)
+    for i in range(n):
+        seq, _ = run(lm, prompt, replace(params, seed=i))
+        counts[(torch.tensor(seq) * torch.tensor([vocab**2, vocab, 1])).sum()] += 1
+    assert_matches_distribution(counts, expected)
 
 
 def test_sliding_window_model_rolls_back_past_the_window():

@@ -35,50 +35,72 @@ def test_default_model_loads_with_chat_template(llm):
     assert llm.model_path.joinpath("model.safetensors").is_file()  # the dequantized cache
 
 
-def assert_identical_to_plain(llm, prompts, spec, max_tokens: int,
+PLAIN_TOKENS = 48  # the longest greedy output any test here compares
+
+
+@pytest.fixture(scope="module")
+def plain(llm):
+    """Plain decoding of a prompt's first turn, once per prompt and sampling setting for the whole
+    module: greedy output with N tokens is the first N of the output with more, so every greedy
+    test compares against a prefix of one ``PLAIN_TOKENS``-token run."""
+    done: dict[tuple, list[int]] = {}
+
+    def first(p: dict, params: SamplingParams) -> list[int]:
+        greedy = params.temperature == 0
+        assert not greedy or params.max_tokens <= PLAIN_TOKENS
+        key = (p["id"], None if greedy else repr(params))
+        if key not in done:
+            messages = [{"role": "user", "content": p["turns"][0]}]
+            run = SamplingParams(max_tokens=PLAIN_TOKENS) if greedy else params
+            done[key] = llm.chat(messages, run, speculative=False).token_ids
+        return done[key][:params.max_tokens]
+
+    return first
+
+
+def assert_identical_to_plain(llm, plain, prompts, spec, max_tokens: int,
                               params: SamplingParams | None = None) -> list:
-    """Chat each prompt's first turn plainly and with ``spec`` (None: the LLM's default
-    speculation); the greedy (or seeded: ``params``) outputs must match token for token.
-    Returns the speculative outputs."""
+    """Chat each prompt's first turn with ``spec`` (None: the LLM's default speculation); greedy
+    (or seeded: ``params``), the output must match plain decoding's (``plain``, the module's
+    cached runs) token for token. Returns the speculative outputs."""
     params = params or SamplingParams(max_tokens=max_tokens)
     outs = []
     for p in prompts:
         messages = [{"role": "user", "content": p["turns"][0]}]
-        plain = llm.chat(messages, params, speculative=False)
         out = llm.chat(messages, params) if spec is None else llm.chat(messages, params, speculative=spec)
-        assert out.token_ids == plain.token_ids, f"question {p['id']} ({p['category']}) differs"
+        assert out.token_ids == plain(p, params), f"question {p['id']} ({p['category']}) differs"
         outs.append(out)
     return outs
 
 
-def test_ngram_greedy_identity(llm, prompts):
-    outs = assert_identical_to_plain(llm, prompts, None, 48)
+def test_ngram_greedy_identity(llm, prompts, plain):
+    outs = assert_identical_to_plain(llm, plain, prompts, None, PLAIN_TOKENS)
     assert sum(out.stats.accepted_tokens for out in outs) > 0
 
 
-def test_seeded_sampling_identity(llm, prompts):
+def test_seeded_sampling_identity(llm, prompts, plain):
     """T = 0.7 with a seed on the real model: prompt lookup and the shipped EAGLE tree give plain
     seeded decoding's tokens. Fixed K (no cost model), so every round drafts on any machine."""
     params = SamplingParams(temperature=0.7, top_p=0.95, seed=5, max_tokens=40)
     for spec in (None, llm.make_speculation("eagle", 4, adaptive_draft=False)):
-        outs = assert_identical_to_plain(llm, prompts[:3], spec, 40, params)
+        outs = assert_identical_to_plain(llm, plain, prompts[:3], spec, 40, params)
         assert sum(out.stats.drafted_tokens for out in outs) > 0, spec
         assert sum(out.stats.accepted_tokens for out in outs) > 0, spec
 
 
-def test_self_draft_greedy_identity(llm, prompts):
+def test_self_draft_greedy_identity(llm, prompts, plain):
     selfdraft = llm.make_speculation("default", 4, adaptive_draft=False)  # fixed K: every round drafts
     assert selfdraft.drafter.model.model is llm.target.model  # no second copy of the weights
-    for out in assert_identical_to_plain(llm, prompts[:4], selfdraft, 24):
+    for out in assert_identical_to_plain(llm, plain, prompts[:4], selfdraft, 24):
         assert out.stats.alpha > 0.9  # float32 rounding may flip a rare near-tie in the draft
 
 
 @pytest.mark.parametrize("text", ["layerskip:skip=12-15", "early-exit:layers=20", "recycle", "suffix"])
-def test_training_free_drafters_greedy_identity(llm, prompts, text):
+def test_training_free_drafters_greedy_identity(llm, prompts, plain, text):
     spec = llm.make_speculation(text, adaptive_draft=False)
     if hasattr(spec.drafter, "subset"):
         assert spec.drafter.subset.target is llm.target  # self-speculation: no second model
-    outs = assert_identical_to_plain(llm, prompts[:3], spec, 24)
+    outs = assert_identical_to_plain(llm, plain, prompts[:3], spec, 24)
     assert sum(out.stats.accepted_tokens for out in outs) > 0
 
 
@@ -104,7 +126,7 @@ def _learned_drafters(llm):
 
 @pytest.mark.parametrize("text", ["draft:path=default,tree=3,budget=10", "async-self-draft",
                                   "medusa", "eagle-tree"])
-def test_trees_learned_and_async_drafters_greedy_identity(llm, prompts, text):
+def test_trees_learned_and_async_drafters_greedy_identity(llm, prompts, plain, text):
     """Token trees through the real model's 4D mask, learned drafters on its features, and
     asynchronous drafting with a worker thread: all token-identical to plain decoding."""
     if text == "async-self-draft":
@@ -113,10 +135,10 @@ def test_trees_learned_and_async_drafters_greedy_identity(llm, prompts, text):
         spec = llm.make_speculation(_learned_drafters(llm)[text], 3, adaptive_draft=False)
     else:
         spec = llm.make_speculation(text, 3, adaptive_draft=False)
-    assert_identical_to_plain(llm, prompts[:2], spec, 20)
+    assert_identical_to_plain(llm, plain, prompts[:2], spec, 20)
 
 
-def test_the_shipped_eagle_drafter(llm, prompts):
+def test_the_shipped_eagle_drafter(llm, prompts, plain):
     """``eagle`` with no path: the drafter shipped for the default model names it, loads on it
     and keeps greedy output identical to plain decoding."""
     from speclm.learned.checkpoint import DrafterConfig
@@ -126,11 +148,11 @@ def test_the_shipped_eagle_drafter(llm, prompts):
     config = DrafterConfig.load(shipped_folder(llm.target.model, "eagle"))
     assert config.kind == "eagle" and config.target.name == DEFAULT_MODEL_NAME
     spec = llm.make_speculation("eagle", 4, adaptive_draft=False)
-    outs = assert_identical_to_plain(llm, prompts[:3], spec, 32)
+    outs = assert_identical_to_plain(llm, plain, prompts[:3], spec, 32)
     assert sum(out.stats.accepted_tokens for out in outs) > 0
 
 
-def test_batched_greedy_identity(llm, prompts):
+def test_batched_greedy_identity(llm, prompts, plain):
     """The server's batched engine (prompt lookup, adaptive K) on six Spec-Bench questions at
     once, prompts of very different lengths: each output equals its solo plain output."""
     from speclm.draft_length import DraftLengthConfig
@@ -144,7 +166,7 @@ def test_batched_greedy_identity(llm, prompts):
     expected, outputs = {}, {}
     for p in prompts:
         messages = [{"role": "user", "content": p["turns"][0]}]
-        expected[p["id"]] = llm.chat(messages, params, speculative=False).token_ids
+        expected[p["id"]] = plain(p, params)
         engine.add(p["id"], llm.encode(messages), params)
         outputs[p["id"]] = []
     while engine.has_work:
