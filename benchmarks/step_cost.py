@@ -122,8 +122,10 @@ _DYNAMO_EVENTS = ("TorchDynamo Cache Lookup", "Pregraph bytecode", "AOTDispatche
 
 def _profile(lm, width: int, context: int, gen: torch.Generator) -> str:
     """Each part's share of 20 forwards of ``width`` tokens: speclm's ops by name, the compiled
-    graph's own code (its wrapper and fused loops), torch.compile's machinery outside the graph
-    (guards, input gathering, wrappers), and the rest (aten ops and Python outside the graph)."""
+    graph's own code (with the C++ wrapper one profiler event, its wrapper and fused loops; with
+    ``--wrapper python`` the loops are events of their own and fall in the rest), torch.compile's
+    machinery outside the graph (guards, input gathering, wrappers), and the rest (aten ops and
+    Python outside the graph)."""
     from torch.profiler import ProfilerActivity, profile
 
     tokens = torch.randint(0, lm.vocab_size, (width,), generator=gen)
