@@ -3,8 +3,10 @@
 On a tiny float64 Llama compiled with ``aot_eager`` (the same dynamo capture as inductor): a
 shape's graph is proven on the call that compiled it and then runs directly, with the eager
 backend's logits, across cache capacities (each proven apart) and with hidden states; a graph whose
-gathered inputs are not the objects dynamo passed it, or a step that dynamo splits into two
-graphs, stays with dynamo and still computes the right thing.
+gathered inputs are not the objects dynamo passed it, a step that dynamo splits into two graphs or
+that changes Python state, stays with dynamo and still computes the right thing; a fork runs the
+graphs proven on the original's cache; a call under other global state (autograd on) goes through
+dynamo.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from speclm.models import direct_call
 from speclm.models.compiled import make_compiled
@@ -100,6 +103,59 @@ def test_a_step_split_by_a_graph_break_stays_with_dynamo():
         out = step(("w", 3), None, ids, ids, ids)
         assert torch.equal(out, ids.float().unsqueeze(-1) * 2 + 1)
     assert step.direct == {(("w", 3), None): None} and step.direct_calls == 0
+
+
+def test_a_fork_runs_the_proven_graphs_on_its_own_cache(target64):
+    """The inputs are gathered from each call's arguments: a fork (its own cache, the same step)
+    runs the graphs proven on the original's cache, with the eager backend's logits."""
+    fast, ref = _fresh(target64), backend(target64)
+    _walk(fast, ref)
+    other = fast.fork()
+    assert other._step is fast._step and other._cache is not fast._cache
+    calls = fast._step.direct_calls
+    _walk(other, ref)
+    assert fast._step.direct_calls > calls
+
+
+class _Logged(torch.nn.Module):
+    """Logits of a forward that also appends to a Python list: state dynamo writes back."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[int] = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=True,
+                output_hidden_states=False, past_key_values=None):
+        self.log.append(1)
+        return CausalLMOutputWithPast(logits=input_ids.float().unsqueeze(-1) * 2)
+
+
+def test_a_step_that_changes_python_state_stays_with_dynamo():
+    model = _Logged()
+    step = CompiledStep(model, None, backend="eager")
+    ids = torch.arange(3).view(1, 3)
+    for _ in range(3):
+        assert torch.equal(step(("w", 3), None, ids, ids, ids), ids.float().unsqueeze(-1) * 2)
+    assert step.direct == {(("w", 3), None): None} and step.direct_calls == 0 and model.log
+
+
+class _Doubled(torch.nn.Module):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=True,
+                output_hidden_states=False, past_key_values=None):
+        return CausalLMOutputWithPast(logits=input_ids.float().unsqueeze(-1) * 2)
+
+
+def test_a_direct_call_under_other_global_state_goes_through_dynamo():
+    """Proven under inference mode, called with autograd on: dynamo's guards decide, not the
+    direct call."""
+    step = CompiledStep(_Doubled(), None, backend="eager")
+    ids = torch.arange(3).view(1, 3)
+    with torch.inference_mode():
+        step(("w", 3), None, ids, ids, ids)
+        step(("w", 3), None, ids, ids, ids)
+    assert isinstance(step.direct[(("w", 3), None)], DirectGraph) and step.direct_calls == 1
+    out = step(("w", 3), None, ids, ids, ids)
+    assert step.direct_calls == 1 and torch.equal(out, ids.float().unsqueeze(-1) * 2)
 
 
 def test_switched_off_every_call_goes_through_dynamo(target64, monkeypatch):

@@ -50,12 +50,12 @@ def _capture(backend: str, mode: str | None, options: dict | None) -> GraphCaptu
     would build it; None where it cannot be (torch.compile then builds it itself)."""
     if backend == "inductor":
         wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
-        return GraphCapture(wrapper(mode, options, False)) if wrapper is not None else None
+        return GraphCapture(wrapper(mode, options, False), backend) if wrapper is not None else None
     if mode or options:
         return None
     from torch._dynamo.backends.registry import lookup_backend
 
-    return GraphCapture(lookup_backend(backend))
+    return GraphCapture(lookup_backend(backend), backend)
 
 
 def compile_options(backend: str, mode: str | None, freeze: bool, cpp_wrapper: bool = True) -> dict | None:
@@ -102,8 +102,8 @@ class CompiledStep:
         options = compile_options(backend, mode, freeze, cpp_wrapper)
         # the backend wrapped so that a compiled shape can later run without dynamo (direct_call.py)
         self.capture = _capture(backend, mode, options) if _direct_allowed(model) else None
-        if self.capture is not None:  # mode and options are the wrapped backend's
-            self.compiled = torch.compile(step, dynamic=False, backend=self.capture)
+        if self.capture is not None:  # as torch.compile does, the backend being ours (mode, options inside)
+            self.compiled = torch._dynamo.optimize(backend=self.capture, dynamic=False)(step)
         else:
             self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend, options=options)
         self.direct: dict[tuple, DirectGraph | None] = {}  # (entry, capacity) -> its graph, or None: dynamo
@@ -145,7 +145,7 @@ class CompiledStep:
         seen, entry = (self.seen_hidden, (key, layers)) if layers else (self.seen, key)
         direct_key = (entry, getattr(args[0], "capacity", None))  # each capacity proven apart
         graph = self.direct.get(direct_key, False)
-        if graph:
+        if graph and graph.global_state.check():
             self.direct_calls += 1
             return graph(self._frame_locals(args, layers), len(layers))
         learn = graph is False and self.capture is not None
@@ -169,8 +169,8 @@ class CompiledStep:
         finally:
             if learn:
                 self.capture.observing = False
+                calls, self.capture.calls = self.capture.calls, []  # no inputs kept past the call
         if learn:
-            calls, self.capture.calls = self.capture.calls, []
             # one graph ran (more: a graph break, with Python between), on the inputs the step gathers
             ok = len(calls) == 1 and proven(calls[0][0], self._frame_locals(args, layers), calls[0][1],
                                             calls[0][2], out, len(layers))

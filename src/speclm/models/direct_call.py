@@ -18,9 +18,14 @@ compiled_step.py) learns a direct graph for a (shape, cache capacity) from a cal
 as one graph, with no graph break, and keeps it only if gathering the inputs itself yields the
 very objects dynamo passed that graph (the same tensors, equal sizes) and dynamo returned the
 graph's own output tensors (:func:`proven`): the same compiled function on the same inputs. The
-proof runs nothing, so a failed one leaves no trace in the cache. Anything else (a graph break, an
-input whose source is not a plain expression, another object in any place) keeps dynamo. CPU
-only: a CUDA step runs CUDA graphs, whose replays want dynamo's own bookkeeping.
+proof runs nothing, so a failed one leaves no trace in the cache. What dynamo does around the
+graph is accounted for: the Python state its bytecode writes back after the graph must be what is
+already there (:func:`_leaves_state_as_found`), and torch's global state (grad mode, autocast,
+default dtype, ...) is checked at every direct call against the state at the proof. Guards on
+Python values inside the model (a kernel switched off after compiling) are not evaluated, as with
+``skip_guard_eval_unsafe`` on dynamo's own path. Anything else (a graph break, an input whose
+source is not a plain expression, another object in any place) keeps dynamo. CPU only: a CUDA
+step runs CUDA graphs, whose replays want dynamo's own bookkeeping.
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ class DirectGraph:
         self.sources = sources  # one Python expression per graph input, over ``L`` (the frame's locals)
         self.num_outputs = num_outputs
         self._gather: Callable[[dict], list] | None = None
+        # torch's global state (grad and inference mode, autocast, default dtype, ...) when proven:
+        # a direct call under any other state goes back to dynamo, whose guards check it
+        self.global_state: Any = None
 
     def gather(self, frame_locals: dict[str, Any]) -> list:
         """The graph's inputs, in its order, read from the step's arguments and closure."""
@@ -64,16 +72,17 @@ def _source_name(source) -> str | None:
 
 class GraphCapture:
     """A torch.compile backend: compiles with ``inner`` and records, per graph, a
-    :class:`DirectGraph` (or None where an input has no plain source). While ``observing``, each
+    :class:`DirectGraph` (or None where an input has no plain source or the frame changes Python
+    state, :func:`_leaves_state_as_found`). While ``observing``, each
     call of a compiled graph through dynamo is kept in ``calls`` as (its record, the inputs dynamo
     passed, the outputs it returned), so the step sees which graphs one call ran (more than one:
     a graph break) and with what."""
 
-    def __init__(self, inner: Callable) -> None:
+    def __init__(self, inner: Callable, name: str) -> None:
         self.inner = inner
         self.observing = False
         self.calls: list[tuple[DirectGraph | None, tuple, Sequence]] = []
-        self.compiler_name = getattr(inner, "compiler_name", None)  # dynamo's name for the backend
+        self.compiler_name = getattr(inner, "compiler_name", None) or name  # dynamo's name for the backend
         if hasattr(inner, "get_compiler_config"):
             self.get_compiler_config = inner.get_compiler_config
 
@@ -82,8 +91,9 @@ class GraphCapture:
             self.inner.reset()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence) -> Callable:
+        plan = _inputs_and_outputs(gm) if _leaves_state_as_found() else None  # before the backend runs
         compiled = self.inner(gm, example_inputs)
-        record = _record(gm, compiled)
+        record = None if plan is None else DirectGraph(compiled, *plan)
 
         def run(*args):
             outs = compiled(*args)
@@ -94,8 +104,8 @@ class GraphCapture:
         return run
 
 
-def _record(gm: torch.fx.GraphModule, compiled: Callable) -> DirectGraph | None:
-    """The graph's inputs as source expressions and its output count (None: not callable directly)."""
+def _inputs_and_outputs(gm: torch.fx.GraphModule) -> tuple[list[str], int] | None:
+    """The graph's inputs as source expressions and its output count (None: an input has none)."""
     sources = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
@@ -106,7 +116,45 @@ def _record(gm: torch.fx.GraphModule, compiled: Callable) -> DirectGraph | None:
             sources.append(name)
     (output,) = [node for node in gm.graph.nodes if node.op == "output"]
     outs = output.args[0]
-    return DirectGraph(compiled, sources, len(outs) if isinstance(outs, (tuple, list)) else 1)
+    return sources, len(outs) if isinstance(outs, (tuple, list)) else 1
+
+
+_MISSING = object()
+
+
+def _leaves_state_as_found() -> bool:
+    """Whether the frame dynamo is compiling changes no Python state, so that skipping the
+    bytecode it runs after the graph changes nothing. Attribute writes that put back the value an
+    attribute has now are allowed: transformers' output capture sets and resets its context
+    variables inside the forward, and dynamo writes their resting values back after every call.
+    Anything else (another value, a list or dict changed, hooks) keeps the graph with dynamo, as
+    does a PyTorch whose tracer does not expose its side effects this way."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.variables.base import AttributeMutationNew
+
+        side_effects = InstructionTranslator.current_tx().output.side_effects
+        if side_effects.tensor_hooks or side_effects.save_for_backward:
+            return False
+        for var in side_effects._get_modified_vars():
+            writes = side_effects.store_attr_mutations.get(var, {})
+            if isinstance(var.mutation_type, AttributeMutationNew):
+                # an object made in the frame: reachable afterwards only through what the step
+                # returns (its own tensors, checked by the proof) or through existing state
+                # (a write to that is checked here)
+                continue
+            target = getattr(var, "value", _MISSING)
+            if target is _MISSING or not writes:  # a container changed in place, or unknown
+                return False
+            for name, value in writes.items():
+                if not value.is_python_constant():
+                    return False
+                final, now = value.as_python_constant(), getattr(target, name, _MISSING)
+                if not (final is now or (type(final) is type(now) and final == now)):
+                    return False
+        return True
+    except Exception:  # another tracer's internals: not provable here
+        return False
 
 
 def proven(graph: DirectGraph | None, frame_locals: dict[str, Any], dynamo_inputs: tuple,
@@ -128,7 +176,11 @@ def proven(graph: DirectGraph | None, frame_locals: dict[str, Any], dynamo_input
         elif type(a) is not type(b) or a != b:
             return False
     if num_layers == 0:
-        return returned is graph_outputs[0]
-    logits, hidden = returned
-    return (logits is graph_outputs[0] and len(hidden) == num_layers
-            and all(h is o for h, o in zip(hidden, graph_outputs[1:])))
+        same = returned is graph_outputs[0]
+    else:
+        logits, hidden = returned
+        same = (logits is graph_outputs[0] and len(hidden) == num_layers
+                and all(h is o for h, o in zip(hidden, graph_outputs[1:])))
+    if same and graph.global_state is None:
+        graph.global_state = torch._C._dynamo.guards.GlobalStateGuard()
+    return same
