@@ -11,6 +11,7 @@ not, and this script measures it for the model at hand (median of ``--reps`` run
     python benchmarks/step_cost.py --compile --quantize gguf --wrapper python,cpp
     python benchmarks/step_cost.py --compile --quantize gguf --wrapper cpp,cpp-o3   # wrapper at -O2 / -O3
     python benchmarks/step_cost.py --compile --quantize gguf --widths 1 8 --profile   # where it goes
+    python benchmarks/step_cost.py --compile --quantize gguf --direct on,off   # without dynamo / through it
 
 ``SPECLM_CPU_KERNEL=0`` runs float32 layers on torch's own products instead of speclm's small-M
 kernels (models/small_m.py), for a before/after on the same machine; ``--attention sdpa`` keeps
@@ -19,7 +20,8 @@ runs a GGUF's blocks on float activations instead of llama.cpp's 8-bit ones; ``-
 compiles one kernel call per GGUF layer instead of one per set of layers reading the same input
 (models/block_groups.py); ``--wrapper python`` compiles the step's wrapper in Python instead of C++
 (models/c_shims.py), ``--wrapper cpp-o3`` compiles it with the fused loops in one file at -O3
-(inductor's default) instead of alone at -O2.
+(inductor's default) instead of alone at -O2; ``--direct off`` runs every compiled call through
+dynamo instead of calling a proven graph directly (models/direct_call.py).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import time
 
 import torch
 
-from speclm.models import block_groups, c_shims, load_model
+from speclm.models import block_groups, c_shims, direct_call, load_model
 
 
 def main() -> None:
@@ -54,11 +56,16 @@ def main() -> None:
     ap.add_argument("--wrapper", default=None,
                     help="with --compile: python, cpp or both (python,cpp): the compiled step's wrapper in "
                          "Python or in C++ calling speclm's ops directly; one model each, interleaved")
+    ap.add_argument("--direct", default=None,
+                    help="with --compile: on, off or both (on,off): compiled graphs called directly once "
+                         "proven, or every call through dynamo; one model each, interleaved")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 20 forwards per width (torch.profiler) and print each part's share")
     args = ap.parse_args()
-    if sum(bool(v) for v in (args.activations, args.groups, args.wrapper)) > 1:
-        ap.error("--activations, --groups and --wrapper each make the variants: give one of them")
+    if sum(bool(v) for v in (args.activations, args.groups, args.wrapper, args.direct)) > 1:
+        ap.error("--activations, --groups, --wrapper and --direct each make the variants: give one of them")
+    if args.direct and not set(args.direct.split(",")) <= {"on", "off"}:
+        ap.error(f"--direct takes on, off or on,off, got {args.direct!r}")
     if args.groups and not set(args.groups.split(",")) <= {"on", "off"}:
         ap.error(f"--groups takes on, off or on,off, got {args.groups!r}")
     if args.wrapper and not set(args.wrapper.split(",")) <= {"python", "cpp", "cpp-o3"}:
@@ -70,7 +77,8 @@ def main() -> None:
     variants = {}
     settings = ([("activations", a) for a in args.activations.split(",")] if args.activations else
                 [("groups", g) for g in args.groups.split(",")] if args.groups else
-                [("wrapper", w) for w in args.wrapper.split(",")] if args.wrapper else [(None, None)])
+                [("wrapper", w) for w in args.wrapper.split(",")] if args.wrapper else
+                [("direct", d) for d in args.direct.split(",")] if args.direct else [(None, None)])
     for kind, value in settings:
         if kind == "activations":
             os.environ["SPECLM_GGUF_ACTIVATIONS"] = value  # read when the layers are built
@@ -79,6 +87,8 @@ def main() -> None:
         if kind == "wrapper":
             c_shims.CPP_WRAPPER = value != "python"  # read when the step is built
             c_shims.WRAPPER_OPT_LEVEL = "O3" if value == "cpp-o3" else "O2"
+        if kind == "direct":
+            direct_call.DIRECT = value == "on"  # read when the step is built
         lm = load_model(args.model, backend="torch", compile=args.compile, quantize=args.quantize,
                         dtype=args.dtype).backend
         if hasattr(lm, "warmup"):

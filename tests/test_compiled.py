@@ -187,6 +187,7 @@ def test_greedy_identity(request, target64, which):
     draft = make_compiled(noisy_copy(target64, 0.05, seed=1), EOS, buckets=fast.buckets,
                           capacities=fast.capacities, compile_backend=fast.compile_backend)
     assert _greedy(fast, prompt, DraftModelDrafter(draft, VOCAB)) == expected
+    assert fast._step.direct_calls > 0  # proven graphs ran without dynamo (models/direct_call.py)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])

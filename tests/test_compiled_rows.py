@@ -141,9 +141,11 @@ def test_engine_rows_equal_solo_and_graphs_stop_growing(quick):
                     draft_length=DraftLengthConfig(4))
     out = _run(engine, prompts, params_of)
     assert [out[str(i)] for i in range(len(prompts))] == solo
-    seen = set(quick._step.seen)
+    seen, calls = set(quick._step.seen), quick._step.direct_calls
     assert _run(engine, prompts, params_of) == out
     assert quick._step.seen == seen
+    assert quick._step.direct_calls > calls  # the rows' graphs ran without dynamo (direct_call.py)
+    assert any(len(entry) == 2 and graph for (entry, _), graph in quick._step.direct.items())
 
 
 def test_server_batches_rows_on_the_compiled_path(model_dirs, monkeypatch):

@@ -4,20 +4,24 @@
 :class:`~speclm.models.compiled.CompiledCausalLM`, shared with its forks and its batched rows,
 models/compiled_rows.py) in ``torch.compile(dynamic=False)``: each shape fed is one graph, compiled
 on first use (or up front by a warm-up), except the cache's capacity, which the cache and its
-mask mark dynamic (models/static_cache.py): one graph serves every cache size; a shape already compiled is run with only the guards
-that tell the graphs apart checked. :func:`compile_options` are inductor's options for it on a
-CPU: speclm's pass that groups GGUF block layers reading one input, freezing for bfloat16, and
-the step's wrapper in C++ calling speclm's ops directly (models/c_shims.py).
+mask mark dynamic (models/static_cache.py): one graph serves every cache size; a shape already
+compiled is run with only the guards that tell the graphs apart checked, and on a CPU, once proven
+for a shape and cache capacity, without dynamo (models/direct_call.py). :func:`compile_options`
+are inductor's options for it on a CPU: speclm's pass that groups GGUF block layers reading one
+input, freezing for bfloat16, and the step's wrapper in C++ calling speclm's ops directly
+(models/c_shims.py).
 """
 
 from __future__ import annotations
 
 import sys
+import types
 
 import torch
 
-from . import c_shims
+from . import c_shims, direct_call
 from .block_groups import GroupBlockCalls
+from .direct_call import DirectGraph, GraphCapture, proven
 from .dtypes import at_least_float32
 from .hf_kwargs import cache_kwarg
 from .static_cache import StaticKVCache
@@ -34,6 +38,25 @@ def _raise_dynamo_limits(graphs: int) -> None:
         current = getattr(dynamo_config, name, None)
         if isinstance(current, int) and current < want:
             setattr(dynamo_config, name, want)
+
+
+def _direct_allowed(model: torch.nn.Module) -> bool:
+    """Whether graphs may run without dynamo (direct_call.py): on a CPU, unless switched off."""
+    first = next(model.parameters(), None)
+    return direct_call.DIRECT and (first is None or first.device.type == "cpu")
+
+
+def _capture(backend: str, mode: str | None, options: dict | None) -> GraphCapture | None:
+    """``backend`` (with ``mode`` and ``options``) wrapped to record its graphs, as torch.compile
+    would build it; None where it cannot be (torch.compile then builds it itself)."""
+    if backend == "inductor":
+        wrapper = getattr(torch, "_TorchCompileInductorWrapper", None)
+        return GraphCapture(wrapper(mode, options, False), backend) if wrapper is not None else None
+    if mode or options:
+        return None
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return GraphCapture(lookup_backend(backend), backend)
 
 
 def compile_options(backend: str, mode: str | None, freeze: bool, cpp_wrapper: bool = True) -> dict | None:
@@ -76,9 +99,26 @@ class CompiledStep:
                 return logits
             return logits, tuple(out.hidden_states[i] for i in layers)  # [B, T, H] each
 
+        # a code object of its own: dynamo keeps its graphs, recompile counts and limits per code
+        # object, so steps sharing this function's would pile their graphs onto one list that
+        # never shrinks; past dynamo's limits (8 a region, 256 compiles of one code object in a
+        # process) a step then ran eagerly, without a word (a test session, a bench of many
+        # methods, a server that builds models)
+        step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
+                                  step.__defaults__, step.__closure__)
         self.eager = step
-        self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend,
-                                      options=compile_options(backend, mode, freeze, cpp_wrapper))
+        options = compile_options(backend, mode, freeze, cpp_wrapper)
+        # the backend wrapped so that a compiled shape can later run without dynamo (direct_call.py)
+        self.capture = _capture(backend, mode, options) if _direct_allowed(model) else None
+        if self.capture is not None:  # as torch.compile does, the backend being ours (mode, options inside)
+            self.compiled = torch._dynamo.optimize(backend=self.capture, dynamic=False)(step)
+        else:
+            self.compiled = torch.compile(step, dynamic=False, mode=mode, backend=backend, options=options)
+        self.direct: dict[tuple, DirectGraph | None] = {}  # (entry, capacity) -> its graph, or None: dynamo
+        self.direct_calls = 0  # calls that ran a graph without dynamo (tests, diagnostics)
+        code = step.__code__
+        self._arg_names = code.co_varnames[: code.co_argcount]  # cache, input_ids, ..., layers
+        self._closure = dict(zip(code.co_freevars, (cell.cell_contents for cell in step.__closure__ or ())))
         self.seen: set[tuple] = set()  # (tokens,) or (rows, tokens) compiled so far
         self.seen_hidden: set[tuple] = set()  # (key, layers): graphs that also return hidden states
         self.skip_guards = True
@@ -111,24 +151,54 @@ class CompiledStep:
         ``layers`` (sorted indices into the hidden states, 0 = embeddings) the logits and those
         layers' hidden states, for a drafter that reads the target's features."""
         seen, entry = (self.seen_hidden, (key, layers)) if layers else (self.seen, key)
-        if entry in seen:
-            # this shape is compiled: check only the guards that tell the compiled graphs apart
-            # (dynamo's full guard set costs ~1 ms per call on a 30-layer model)
-            try:
-                with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.skip_guards):
-                    return self.compiled(*args, layers)
-            except RuntimeError as exc:  # a guard beyond the shape failed (global state, another
-                if "skip_guard_eval_unsafe" not in str(exc):  # instance's graphs): check them all
-                    raise
-                _raise_dynamo_limits(self.graphs)
-                return self.compiled(*args, layers)
-        if (self.seen or self.seen_hidden) and not self.warming:
-            rows = f"{key[0]} rows x " if len(key) == 2 else ""
-            hidden = f" with the hidden states of layers {list(layers)}" if layers else ""
-            print(f"speclm: compiling a step for {rows}{key[-1]} tokens{hidden} (one time)...", file=sys.stderr)
-        _raise_dynamo_limits(self.graphs)  # dynamo's limits are per thread
-        if layers:
-            self._install_output_hooks()
-        out = self.compiled(*args, layers)
-        seen.add(entry)
+        direct_key = (entry, getattr(args[0], "capacity", None))  # each capacity proven apart
+        graph = self.direct.get(direct_key, False)
+        if graph and graph.global_state.check():
+            self.direct_calls += 1
+            return graph(self._frame_locals(args, layers), len(layers))
+        learn = graph is False and self.capture is not None
+        if learn:  # keep what dynamo passes the graph it runs, to prove the direct call by
+            self.capture.calls.clear()
+            self.capture.observing = True
+        try:
+            if entry in seen:
+                out = self._call_compiled(args, layers)
+            else:
+                if (self.seen or self.seen_hidden) and not self.warming:
+                    rows = f"{key[0]} rows x " if len(key) == 2 else ""
+                    hidden = f" with the hidden states of layers {list(layers)}" if layers else ""
+                    print(f"speclm: compiling a step for {rows}{key[-1]} tokens{hidden} (one time)...",
+                          file=sys.stderr)
+                _raise_dynamo_limits(self.graphs)  # dynamo's limits are per thread
+                if layers:
+                    self._install_output_hooks()
+                out = self.compiled(*args, layers)
+                seen.add(entry)
+        finally:
+            if learn:
+                self.capture.observing = False
+                calls, self.capture.calls = self.capture.calls, []  # no inputs kept past the call
+        if learn:
+            # one graph ran (more: a graph break, with Python between), on the inputs the step gathers
+            ok = len(calls) == 1 and proven(calls[0][0], self._frame_locals(args, layers), calls[0][1],
+                                            calls[0][2], out, len(layers))
+            self.direct[direct_key] = calls[0][0] if ok else None
         return out
+
+    def _call_compiled(self, args: tuple, layers: tuple[int, ...]):
+        """A compiled shape through dynamo, checking only the guards that tell the compiled
+        graphs apart (dynamo's full guard set costs ~1 ms per call on a 30-layer model)."""
+        try:
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=self.skip_guards):
+                return self.compiled(*args, layers)
+        except RuntimeError as exc:  # a guard beyond the shape failed (global state, another
+            if "skip_guard_eval_unsafe" not in str(exc):  # instance's graphs): check them all
+                raise
+            _raise_dynamo_limits(self.graphs)
+            return self.compiled(*args, layers)
+
+    def _frame_locals(self, args: tuple, layers: tuple[int, ...]) -> dict:
+        """The step's locals as dynamo named them: its closure and its arguments."""
+        frame = dict(self._closure)
+        frame.update(zip(self._arg_names, (*args, layers)))
+        return frame
