@@ -165,19 +165,22 @@ def test_switched_off_every_call_goes_through_dynamo(target64, monkeypatch):
     assert fast._step.capture is None and not fast._step.direct and fast._step.direct_calls == 0
 
 
-def test_each_step_compiles_however_many_steps_the_process_built_before(monkeypatch):
+def test_each_step_compiles_however_many_steps_the_process_built_before():
     """Dynamo keeps graphs and limits per code object: steps sharing one code object piled their
     graphs onto one list, and past dynamo's recompile limit a new step ran eagerly (no graph, no
     direct call) without a word, as late in a long test session. Each step has its own."""
     import torch._dynamo.config as dynamo_config
     import torch._dynamo.utils as dynamo_utils
 
-    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
-    for i in range(10):  # more steps than the limit, each with a shape of its own
-        step = CompiledStep(_Doubled(), None, backend="eager")
-        ids = torch.arange(i + 1).view(1, i + 1)
-        graphs = dynamo_utils.counters["stats"]["unique_graphs"]
-        for _ in range(2):
-            assert torch.equal(step(("w", i + 1), None, ids, ids, ids), ids.float().unsqueeze(-1) * 2)
-        assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs + 1
-        assert isinstance(step.direct[(("w", i + 1), None)], DirectGraph) and step.direct_calls == 1
+    # torch's own patch, not pytest's monkeypatch: pytest 9.2's undo deletes a setting that is not
+    # in the module's __dict__, as a torch config's are not, which hid it for the whole process
+    with dynamo_config.patch(recompile_limit=8):
+        for i in range(10):  # more steps than the limit, each with a shape of its own
+            step = CompiledStep(_Doubled(), None, backend="eager")
+            ids = torch.arange(i + 1).view(1, i + 1)
+            graphs = dynamo_utils.counters["stats"]["unique_graphs"]
+            for _ in range(2):
+                assert torch.equal(step(("w", i + 1), None, ids, ids, ids), ids.float().unsqueeze(-1) * 2)
+            assert dynamo_utils.counters["stats"]["unique_graphs"] == graphs + 1
+            assert isinstance(step.direct[(("w", i + 1), None)], DirectGraph) and step.direct_calls == 1
+    assert dynamo_config.recompile_limit >= 8  # still there
