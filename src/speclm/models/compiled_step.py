@@ -101,9 +101,9 @@ class CompiledStep:
 
         # a code object of its own: dynamo keeps its graphs, recompile counts and limits per code
         # object, so steps sharing this function's would pile their graphs onto one list that
-        # never shrinks; past dynamo's limits (8 a region, 256 compiles of one code object in a
-        # process) a step then ran eagerly, without a word (a test session, a bench of many
-        # methods, a server that builds models)
+        # never shrinks (dead models' graphs kept), and past dynamo's recompile limits a later
+        # step ran eagerly without a word (seen late in a long test session: a process that
+        # builds many compiled models)
         step = types.FunctionType(step.__code__.replace(), step.__globals__, step.__name__,
                                   step.__defaults__, step.__closure__)
         self.eager = step
